@@ -1,0 +1,39 @@
+# clbench developer commands. `make help` lists them.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.DEFAULT_GOAL := help
+.PHONY: help install run test test-all lint format clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)  ## create .venv and install clbench with the dev tools
+
+run: $(STAMP)  ## the embedded default: finetune on sklearn digits (5 tasks), vit_micro, CPU, ~1 minute
+	$(VENV)/bin/clbench $(ARGS)
+
+test: $(STAMP)  ## the fast test suite (minutes on 2 CPU cores)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q $(ARGS)
+
+test-all: $(STAMP)  ## every test, slow ones included
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m 'not gpu' $(ARGS)
+
+lint: $(STAMP)  ## ruff check + format check
+	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff format --check src tests
+
+format: $(STAMP)  ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix src tests
+	$(VENV)/bin/ruff format src tests
+
+clean:  ## remove caches and build outputs (keeps .venv and outputs/)
+	rm -rf build dist .pytest_cache .ruff_cache src/*.egg-info
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

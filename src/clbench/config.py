@@ -1,0 +1,215 @@
+"""Typed schemas for the composed Hydra config, checked before any work starts.
+
+Hydra composes plain YAML (``conf/``); :func:`validate` then merges each group into its dataclass schema, so
+an unknown key or a value of the wrong type is rejected by OmegaConf, and each schema's ``__post_init__``
+rejects values outside their allowed range. Every message names the key, the value and what is allowed.
+A method's hyperparameters are validated against the ``Config`` dataclass that the method class declares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.utils import get_class
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from clbench.errors import ConfigError
+
+
+def require(ok: bool, key: str, value: Any, allowed: str) -> None:
+    """Raise a :class:`ConfigError` naming ``key``, ``value`` and what is ``allowed`` unless ``ok``."""
+    if not ok:
+        raise ConfigError(f"Invalid value for `{key}`: {value!r}. Allowed: {allowed}.")
+
+
+def require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    require(value in choices, key, value, "one of " + ", ".join(choices))
+
+
+@dataclass
+class DataConfig:
+    """A benchmark: a source split into tasks of disjoint classes."""
+
+    name: str  # recorded in results.json, e.g. cifar100_10tasks
+    source: str  # digits | cifar10 | cifar100 | synthetic
+    tasks: int  # number of tasks the classes are split into
+    root: str = "data"  # where downloadable sources live (data.root=/datasets)
+    download: bool = False  # fetch the official archive into root if it is missing
+    verify_checksums: bool = True  # false accepts a copy made by hand
+    num_tasks: int | None = None  # train and evaluate only the first N tasks
+    class_order_seed: int | None = 1993  # iCaRL/PyCIL convention; null keeps the natural order
+    # Train-time augmentation, applied in batches on the device.
+    train_crop: str = "pad"  # pad: shift by up to crop_padding px | resized: RandomResizedCrop | none
+    crop_padding: int = 4
+    resized_crop_scale: tuple[float, float] = (0.08, 1.0)
+    hflip: bool = True
+    # Only for source=synthetic: class prototypes plus noise, for tests and timings without files.
+    synthetic_classes: int = 10
+    synthetic_train_per_class: int = 50
+    synthetic_test_per_class: int = 10
+    synthetic_image_size: int = 32
+    synthetic_channels: int = 3
+
+    def __post_init__(self) -> None:
+        require_choice("data.source", self.source, ("digits", "cifar10", "cifar100", "synthetic"))
+        require(self.tasks >= 1, "data.tasks", self.tasks, "an integer >= 1")
+        require(
+            self.num_tasks is None or 1 <= self.num_tasks <= self.tasks,
+            "data.num_tasks",
+            self.num_tasks,
+            f"null or an integer in [1, data.tasks={self.tasks}]",
+        )
+        require_choice("data.train_crop", self.train_crop, ("pad", "resized", "none"))
+        require(self.crop_padding >= 0, "data.crop_padding", self.crop_padding, "an integer >= 0")
+        lo, hi = self.resized_crop_scale
+        require(0 < lo <= hi <= 1, "data.resized_crop_scale", list(self.resized_crop_scale), "0 < lo <= hi <= 1")
+        for key in ("synthetic_classes", "synthetic_train_per_class", "synthetic_test_per_class"):
+            require(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), "an integer >= 1")
+        require(self.synthetic_image_size >= 4, "data.synthetic_image_size", self.synthetic_image_size, ">= 4")
+        require(self.synthetic_channels in (1, 3), "data.synthetic_channels", self.synthetic_channels, "1 or 3")
+
+
+@dataclass
+class BackboneConfig:
+    """A timm Vision Transformer; ``model`` is a timm name, ``kwargs`` override its architecture."""
+
+    name: str  # label recorded in results.json
+    model: str  # timm model name
+    img_size: int = 224
+    tag: str | None = None  # pretrained tag, e.g. orig_in21k (L2P) or fb_in1k (DeiT)
+    pretrained: bool = False  # load the tagged weights from the Hugging Face hub (or its cache)
+    weights: str | None = None  # a local .safetensors/.pth/.npz checkpoint; no network needed
+    normalize: bool = True  # normalise pixels with the weights' mean/std (false: pixels in [0, 1], as L2P)
+    drop_path_rate: float = 0.0
+    kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(self.img_size >= 8, "backbone.img_size", self.img_size, "an integer >= 8")
+        require(0 <= self.drop_path_rate < 1, "backbone.drop_path_rate", self.drop_path_rate, "a float in [0, 1)")
+        if self.weights is not None:
+            require(
+                Path(self.weights).suffix in (".safetensors", ".pth", ".pt", ".bin", ".npz"),
+                "backbone.weights",
+                self.weights,
+                "a path ending in .safetensors, .pth, .pt, .bin or .npz",
+            )
+
+
+@dataclass
+class TrainerConfig:
+    """The loop's optimisation and runtime settings; methods' YAMLs set their papers' values."""
+
+    epochs: int = 5
+    batch_size: int = 32
+    eval_batch_size: int = 256
+    lr: float = 1e-3
+    lr_scale_batch: int | None = None  # linear scaling rule: lr * batch_size / lr_scale_batch (null: off)
+    optimizer: str = "adamw"  # adamw | adam | sgd
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.0
+    schedule: str = "cosine"  # cosine | constant, per phase, stepped per batch
+    warmup_epochs: float = 0.0  # linear warm-up at the start of each phase
+    min_lr: float = 0.0  # floor of the cosine schedule
+    grad_clip: float | None = None  # max global grad norm (null: off)
+    device: str = "auto"  # auto | cpu | cuda
+    precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
+    eval_random_init: bool = True  # measure b_j (accuracy before any training) for FWT
+    log_every: int = 20  # train-loss logging period in steps (each log is one host sync)
+
+    def __post_init__(self) -> None:
+        for key in ("epochs", "batch_size", "eval_batch_size", "log_every"):
+            minimum = 0 if key == "epochs" else 1
+            value = getattr(self, key)
+            require(value >= minimum, f"trainer.{key}", value, f"an integer >= {minimum}")
+        require(self.lr > 0, "trainer.lr", self.lr, "a float > 0")
+        require(
+            self.lr_scale_batch is None or self.lr_scale_batch > 0,
+            "trainer.lr_scale_batch",
+            self.lr_scale_batch,
+            "null or an integer > 0",
+        )
+        require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd"))
+        require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
+        require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
+        require_choice("trainer.schedule", self.schedule, ("cosine", "constant"))
+        require(self.warmup_epochs >= 0, "trainer.warmup_epochs", self.warmup_epochs, "a float >= 0")
+        require(0 <= self.min_lr <= self.lr, "trainer.min_lr", self.min_lr, f"a float in [0, trainer.lr={self.lr}]")
+        require(self.grad_clip is None or self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "null or > 0")
+        require_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
+        require_choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
+
+
+@dataclass
+class LoggerConfig:
+    """Weights & Biases settings; the run folder is written whatever the mode."""
+
+    mode: str = "offline"  # offline (sync later with `wandb sync`) | online | disabled
+    project: str = "clbench"
+    entity: str | None = None
+    group: str | None = None  # null: the multirun's sweep folder name, so a sweep's jobs are grouped
+    name: str | None = None  # null: the job's overrides, e.g. method=meat,seed=1
+    tags: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        require_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class RunConfig:
+    """Everything a run needs, typed; ``method`` is the method's own ``Config`` instance."""
+
+    data: DataConfig
+    backbone: BackboneConfig
+    trainer: TrainerConfig
+    logger: LoggerConfig
+    method: Any
+    method_target: str
+    seed: int = 0
+
+
+_GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+
+
+def _typed(schema: type, node: Any, key: str) -> Any:
+    """Merge ``node`` into ``schema`` and build the dataclass (running its checks)."""
+    if not isinstance(node, DictConfig):
+        raise ConfigError(f"`{key}` is missing or not a mapping; pick one with `{key}=<name>`.")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(schema), node)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        detail = str(err).split("\n")[0]
+        full_key = getattr(err, "full_key", None)
+        where = f"`{key}.{full_key}`" if full_key else f"`{key}`"
+        raise ConfigError(f"Invalid config at {where}: {detail}") from None
+
+
+def validate(cfg: DictConfig) -> RunConfig:
+    """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
+    allowed = {*_GROUPS, "method", "seed"}
+    unknown = sorted(set(cfg.keys()) - allowed)
+    if unknown:
+        raise ConfigError(f"Unknown top-level key(s) {unknown}. Allowed: {sorted(allowed)}.")
+    groups = {key: _typed(schema, cfg.get(key), key) for key, schema in _GROUPS.items()}
+    method_node = cfg.get("method")
+    if not isinstance(method_node, DictConfig) or "_target_" not in method_node:
+        raise ConfigError("`method` must name a method config with a `_target_`, e.g. `method=finetune`.")
+    target = str(method_node._target_)
+    try:
+        method_cls = get_class(target)
+    except Exception as err:
+        raise ConfigError(f"`method._target_`={target!r} cannot be imported: {err}") from None
+    params = OmegaConf.masked_copy(method_node, [k for k in method_node if k != "_target_"])
+    method = _typed(method_cls.Config, params, "method")
+    seed = cfg.get("seed", 0)
+    require(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
+    return RunConfig(**groups, method=method, method_target=target, seed=seed)
+
+
+def as_dict(obj: Any) -> dict[str, Any]:
+    """A dataclass as a plain dict (for results.json and W&B)."""
+    return dataclasses.asdict(obj)

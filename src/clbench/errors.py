@@ -1,0 +1,17 @@
+"""User-facing errors: the CLI prints their message as one paragraph and exits non-zero, without a traceback."""
+
+
+class ClbenchError(Exception):
+    """A problem the user can fix (bad config value, missing data or weights)."""
+
+
+class ConfigError(ClbenchError):
+    """An invalid or unknown configuration value."""
+
+
+class DataError(ClbenchError):
+    """A dataset that is missing, corrupt or cannot be downloaded."""
+
+
+class WeightsError(ClbenchError):
+    """Pretrained weights that are missing, unreachable or do not fit the model."""

@@ -1,0 +1,141 @@
+"""The method contract: what the one training loop calls, in order, for every task.
+
+For each task the loop calls ``before_task`` -> for each of ``phases``: ``before_phase``, an optimizer over
+``param_groups``, steps of ``training_loss`` / backward / ``after_backward`` / optimizer step /
+``after_step`` -> ``after_task``; then it evaluates with ``predict``. A method owns its parameters, heads
+and masks; the loop owns devices, precision, optimizers, schedules, evaluation and logging.
+
+Heads: one Linear per task (``heads[t]`` over task ``t``'s classes). Concatenated they form the growing
+class-incremental head, so a task-incremental prediction is the task's own head and a class-incremental
+one is the argmax over all seen classes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from clbench.data import Benchmark, Task
+
+Logs = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of training with its own optimizer and schedule (e.g. PackNet's train, then retrain)."""
+
+    name: str
+    epochs: int
+
+
+class Method(nn.Module):
+    """Base class: a timm ViT backbone plus per-task linear heads.
+
+    Subclasses set ``Config`` (a dataclass of their hyperparameters, validated before training) and
+    implement ``param_groups`` and ``training_loss``. ``task_conditioned`` methods need the task id to
+    select their per-task state; without it (class-incremental evaluation) they infer the task.
+    """
+
+    Config: ClassVar[type]
+    task_conditioned: ClassVar[bool] = False
+
+    def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
+        super().__init__()
+        self.backbone = backbone
+        self.config = config
+        self.tasks = benchmark.tasks
+        self.heads = nn.ModuleList()
+
+    # ----------------------------------------------------------------------------- lifecycle hooks
+    @property
+    def num_seen(self) -> int:
+        """Tasks whose heads exist: all tasks up to the one being trained."""
+        return len(self.heads)
+
+    def before_task(self, task: Task) -> None:
+        """Add the task's head; subclasses extend this to create per-task state."""
+        if task.id != self.num_seen:
+            raise RuntimeError(f"tasks must come in order: expected task {self.num_seen}, got {task.id}")
+        device = self.backbone.cls_token.device
+        self.heads.append(nn.Linear(self.backbone.num_features, task.num_classes, device=device))
+
+    def phases(self, task: Task, epochs: int) -> list[Phase]:
+        return [Phase("train", epochs)]
+
+    def before_phase(self, task: Task, phase: Phase) -> None:
+        """Called before each phase's optimizer is built (state-machine transitions live here)."""
+
+    def train_task_ids(self, task: Task) -> list[int]:
+        """The tasks whose training data is used while training ``task`` (Joint: all seen)."""
+        return [task.id]
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        """Optimizer groups; a group may carry its own ``lr`` and ``weight_decay``."""
+        raise NotImplementedError
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        """Loss on a batch of ``task`` (``y`` holds global labels) and device-side scalars to log."""
+        raise NotImplementedError
+
+    def after_backward(self, task: Task) -> None:
+        """Gradient surgery before the optimizer step (HAT, PackNet)."""
+
+    def after_step(self, task: Task) -> None:
+        """Re-impose constraints after the optimizer step (masks, clamps)."""
+
+    def after_task(self, task: Task) -> None:
+        """Consolidate the task: prune, freeze, binarise masks."""
+
+    # ----------------------------------------------------------------------------- inference
+    def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
+        """Pre-logit features (final-norm CLS token); ``task_id`` selects per-task state where there is any."""
+        return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+
+    def seen_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Logits over all seen classes: the concatenated per-task heads."""
+        return torch.cat([head(feats) for head in self.heads], dim=1)
+
+    def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
+        return self.heads[task_id](self.features(x, task_id))
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
+        """Task-incremental logits over ``task_id``'s classes, or (``None``) logits over all seen classes."""
+        if task_id is not None:
+            return self.task_logits(x, task_id)
+        if self.task_conditioned:
+            return self.infer_task_by_entropy(x)
+        return self.seen_logits(self.features(x, None))
+
+    def infer_task_by_entropy(self, x: torch.Tensor) -> torch.Tensor:
+        """Class-incremental prediction for task-conditioned methods: run every seen task's path and keep,
+        per sample, the task whose softmax has the lowest entropy. Returns logits over all seen classes
+        that are ``-inf`` outside the chosen task, so their argmax is the prediction."""
+        per_task = [self.task_logits(x, t).float() for t in range(self.num_seen)]
+        entropy = torch.stack([torch.special.entr(F.softmax(lg, dim=1)).sum(1) for lg in per_task])
+        chosen = entropy.argmin(0)  # (B,)
+        out = torch.cat(per_task, dim=1)
+        owner = torch.cat([torch.full((lg.shape[1],), t, device=x.device) for t, lg in enumerate(per_task)])
+        return out.masked_fill(owner[None, :] != chosen[:, None], float("-inf"))
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def storage(self) -> dict[str, Any]:
+        """What the method keeps per task, in bits, by component; and its trainable parameter count."""
+        return {
+            "bits_per_task": [{"head": 32 * sum(p.numel() for p in head.parameters())} for head in self.heads],
+            "trainable_params": sum(p.numel() for p in self.parameters() if p.requires_grad),
+        }
+
+    def extra_results(self) -> dict[str, Any]:
+        """Method-specific entries for results.json (e.g. L2P's prompt histogram)."""
+        return {}
+
+    def no_weight_decay_ids(self) -> set[int]:
+        """Parameters exempt from weight decay (timm's convention): biases, norms, position/class tokens."""
+        skip = {f"backbone.{name}" for name in self.backbone.no_weight_decay()}
+        return {id(p) for name, p in self.named_parameters() if p.ndim <= 1 or name in skip}

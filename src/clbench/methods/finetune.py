@@ -1,0 +1,44 @@
+"""Finetune: sequential fine-tuning of the whole ViT, the lower-bound reference point.
+
+Each task trains the backbone and all heads with cross-entropy over every class seen so far (the
+"FT-seq" row of L2P's Table 1), so class-incremental accuracy shows the full effect of forgetting and the
+recency bias of the growing head; task-incremental accuracy reads each task's own head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from clbench.data import Task
+from clbench.methods.base import Logs, Method, Phase
+from clbench.config import require_choice
+
+
+@dataclass
+class FinetuneConfig:
+    """``loss_scope``: ``seen`` = CE over all seen classes (class-incremental training, default);
+    ``task`` = CE over the current task's classes only (multi-head training)."""
+
+    loss_scope: str = "seen"
+    freeze_backbone: bool = False  # L2P's "FT-seq-frozen": train only the heads
+
+    def __post_init__(self) -> None:
+        require_choice("method.loss_scope", self.loss_scope, ("seen", "task"))
+
+
+class Finetune(Method):
+    Config = FinetuneConfig
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        self.backbone.requires_grad_(not self.config.freeze_backbone)
+        return [{"params": [p for p in self.parameters() if p.requires_grad]}]
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        feats = self.features(x, task.id)
+        if self.config.loss_scope == "task":
+            return F.cross_entropy(self.heads[task.id](feats), y - task.offset), {}
+        return F.cross_entropy(self.seen_logits(feats), y), {}

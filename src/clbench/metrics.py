@@ -1,0 +1,97 @@
+"""Continual-learning metrics from an accuracy matrix, in percent.
+
+``R[i][j]`` is the accuracy on task ``j`` after training task ``i`` (lower triangle; NaN above). With T tasks:
+
+- final_acc            = mean_j R[T-1][j]
+- avg_incremental_acc  = mean_i mean_{j<=i} R[i][j]
+- forgetting           = mean_{j<T-1} ( max_{l<T-1} R[l][j] - R[T-1][j] )       Chaudhry et al., ECCV 2018
+- forgetting_l2p       = mean_{j<T-1} ( max_{l<=T-1} R[l][j] - R[T-1][j] )      L2P/PILOT code: the max includes
+                         the last stage, so each task's forgetting is clipped at 0
+- bwt                  = mean_{j<T-1} ( R[T-1][j] - R[j][j] )                   Lopez-Paz & Ranzato, NeurIPS 2017
+- fwt                  = mean_{j>0} ( P[j] - b[j] )                             same; P[j] = accuracy on task j after
+                         task j-1 (measured when task j starts), b[j] = accuracy at random initialisation
+
+Metrics that need two tasks are ``None`` with one task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+Matrix = Sequence[Sequence[float | None]]
+
+
+def as_array(matrix: Matrix) -> np.ndarray:
+    """A (T, T) float array with NaN for missing (None) entries."""
+    return np.array([[np.nan if v is None else float(v) for v in row] for row in matrix], dtype=float)
+
+
+def to_nullable(array: np.ndarray) -> list[list[float | None]]:
+    return [[None if np.isnan(v) else float(v) for v in row] for row in array]
+
+
+def forgetting_matrix(matrix: Matrix) -> np.ndarray:
+    """F[i][j] = max_{l<i} R[l][j] - R[i][j] for j < i; NaN elsewhere."""
+    r = as_array(matrix)
+    f = np.full_like(r, np.nan)
+    for i in range(1, len(r)):
+        for j in range(i):
+            f[i, j] = np.nanmax(r[j:i, j]) - r[i, j]
+    return f
+
+
+def final_acc(matrix: Matrix) -> float:
+    r = as_array(matrix)
+    return float(np.mean(r[-1, : len(r)]))
+
+
+def avg_incremental_acc(matrix: Matrix) -> float:
+    r = as_array(matrix)
+    return float(np.mean([np.mean(r[i, : i + 1]) for i in range(len(r))]))
+
+
+def forgetting(matrix: Matrix) -> float | None:
+    r = as_array(matrix)
+    t = len(r)
+    if t < 2:
+        return None
+    return float(np.mean([np.max(r[: t - 1, j][j:]) - r[t - 1, j] for j in range(t - 1)]))
+
+
+def forgetting_l2p(matrix: Matrix) -> float | None:
+    r = as_array(matrix)
+    t = len(r)
+    if t < 2:
+        return None
+    return float(np.mean([np.max(r[j:t, j]) - r[t - 1, j] for j in range(t - 1)]))
+
+
+def bwt(matrix: Matrix) -> float | None:
+    r = as_array(matrix)
+    t = len(r)
+    if t < 2:
+        return None
+    return float(np.mean([r[t - 1, j] - r[j, j] for j in range(t - 1)]))
+
+
+def fwt(before_task: Sequence[float | None], random_init: Sequence[float | None] | None) -> float | None:
+    """Forward transfer from the accuracy on each task when it starts and at random initialisation."""
+    if random_init is None or len(before_task) < 2:
+        return None
+    return float(np.mean([before_task[j] - random_init[j] for j in range(1, len(before_task))]))
+
+
+def summary(
+    matrix: Matrix, before_task: Sequence[float | None], random_init: Sequence[float | None] | None
+) -> dict[str, float | None]:
+    """All metrics of one scenario (TIL or CIL)."""
+    return {
+        "final_acc": final_acc(matrix),
+        "avg_incremental_acc": avg_incremental_acc(matrix),
+        "forgetting": forgetting(matrix),
+        "forgetting_l2p": forgetting_l2p(matrix),
+        "bwt": bwt(matrix),
+        "fwt": fwt(before_task, random_init),
+    }

@@ -1,0 +1,264 @@
+"""The one training loop: every method, benchmark and backbone runs through :func:`train`.
+
+For each task: ``before_task`` -> accuracy on the new task before training it (for FWT) -> the method's
+phases of epochs -> ``after_task`` -> evaluate every seen task in both scenarios -> write results.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from hydra.utils import get_class
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from clbench import __version__
+from clbench.backbones import build_backbone, input_stats
+from clbench.config import RunConfig, TrainerConfig, as_dict
+from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
+from clbench.errors import ConfigError
+from clbench.evaluation import evaluate
+from clbench.methods import Method, Phase
+from clbench.results import Results
+from clbench.tracking import WandbTracker, console, print_summary, write_run_files
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("Invalid value for `trainer.device`: 'cuda', but no CUDA device is visible. Allowed: auto, cpu.")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(name)
+
+
+def autocast_for(device: torch.device, precision: str) -> AbstractContextManager:
+    """bf16 autocast on CUDA by default; fp32 on CPU unless bf16 is asked for."""
+    bf16 = precision == "bf16" or (precision == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+
+@dataclass
+class Runtime:
+    """What the loop needs besides the method: data, transforms, device and precision."""
+
+    cfg: RunConfig
+    benchmark: Benchmark
+    device: torch.device
+    train_tf: DeviceTransform
+    test_tf: DeviceTransform
+
+    @property
+    def autocast(self) -> AbstractContextManager:
+        return autocast_for(self.device, self.cfg.trainer.precision)
+
+    def evaluate(self, method: Method, task_ids: list[int], scenarios: tuple[str, ...] = ("til", "cil")):
+        bs = self.cfg.trainer.eval_batch_size
+        return evaluate(method, self.benchmark, task_ids, self.test_tf, bs, self.autocast, scenarios)
+
+
+# ------------------------------------------------------------------------------------------ optimisation
+def build_optimizer(method: Method, groups: list[dict[str, Any]], cfg: TrainerConfig) -> torch.optim.Optimizer:
+    """One optimizer over the method's groups. A group without ``weight_decay`` gets ``trainer.weight_decay``
+    except on biases, norms and position/class tokens; the batch-size scaling rule applies to every lr."""
+    scale = cfg.batch_size / cfg.lr_scale_batch if cfg.lr_scale_batch else 1.0
+    exempt = method.no_weight_decay_ids()
+    final: list[dict[str, Any]] = []
+    for group in groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        base = {**group, "lr": group.get("lr", cfg.lr) * scale}
+        if "weight_decay" in group:
+            final.append({**base, "params": params})
+            continue
+        decay = [p for p in params if id(p) not in exempt]
+        free = [p for p in params if id(p) in exempt]
+        final += [{**base, "params": decay, "weight_decay": cfg.weight_decay}, {**base, "params": free, "weight_decay": 0.0}]
+    final = [g for g in final if g["params"]]
+    if not final:
+        raise RuntimeError(f"{type(method).__name__} returned no trainable parameters")
+    fused = {"fused": True} if all(p.is_cuda for g in final for p in g["params"]) else {}
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(final, lr=cfg.lr, momentum=cfg.momentum)
+    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return opt_cls(final, lr=cfg.lr, **fused)
+
+
+def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr`` (or constant); a factor on each group's lr."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule == "constant" or total <= warmup:
+        return 1.0
+    progress = (step - warmup) / (total - warmup)
+    floor = cfg.min_lr / cfg.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ------------------------------------------------------------------------------------------ one task
+def run_task(
+    method: Method,
+    task: Task,
+    rt: Runtime,
+    *,
+    epochs: int,
+    tracker: WandbTracker | None = None,
+    progress: Progress | None = None,
+    step: int = 0,
+) -> tuple[int, int]:
+    """Train ``method`` on ``task`` through its phases; returns (global step, images seen)."""
+    cfg = rt.cfg.trainer
+    split = Split.cat([rt.benchmark.train[j] for j in method.train_task_ids(task)])
+    per_epoch = split.num_batches(cfg.batch_size)
+    images = 0
+    method.train()
+    for phase in method.phases(task, epochs):
+        method.before_phase(task, phase)
+        if phase.epochs == 0:
+            continue
+        optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        total, warmup = phase.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, t=total, w=warmup: lr_factor(s, t, w, cfg))
+        bar = progress.add_task(f"task {task.id} {phase.name}", total=total) if progress else None
+        running = torch.zeros((), device=rt.device)
+        for _ in range(phase.epochs):
+            for x_raw, y in split.batches(cfg.batch_size, shuffle=True):
+                x = rt.train_tf(x_raw)
+                with rt.autocast:
+                    loss, logs = method.training_loss(x, y, task)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                method.after_backward(task)
+                if cfg.grad_clip:
+                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                optimizer.step()
+                schedule.step()
+                method.after_step(task)
+                running += loss.detach()
+                step += 1
+                images += len(y)
+                if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
+                    mean_loss = (running / cfg.log_every).item()
+                    if not math.isfinite(mean_loss):
+                        raise FloatingPointError(f"loss is {mean_loss} at task {task.id}, {phase.name}, step {step}")
+                    running.zero_()
+                    if tracker:
+                        extra = {f"train/{k}": v.item() for k, v in logs.items()}
+                        tracker.log({"train/loss": mean_loss, "train/lr": schedule.get_last_lr()[0], **extra}, step)
+                    if progress:
+                        progress.update(bar, description=f"task {task.id} {phase.name} loss {mean_loss:.3f}")
+                if progress:
+                    progress.advance(bar)
+        if progress:
+            progress.remove_task(bar)
+    return step, images
+
+
+def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
+    """b_j for FWT: a copy of the untouched method goes through the protocol with zero training steps;
+    task j is evaluated right after its ``before_task`` (fresh head, no training), as in the real run."""
+    probe = copy.deepcopy(method)
+    acc: dict[str, list[float]] = {"til": [], "cil": []}
+    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+        for task in rt.benchmark.tasks:
+            probe.before_task(task)
+            for s, values in rt.evaluate(probe, [task.id]).items():
+                acc[s] += values
+            run_task(probe, task, rt, epochs=0)
+            probe.after_task(task)
+    return acc
+
+
+# ------------------------------------------------------------------------------------------ the run
+def build_method(cfg: RunConfig, benchmark: Benchmark, device: torch.device) -> tuple[Method, DeviceTransform, DeviceTransform]:
+    backbone = build_backbone(cfg.backbone)
+    mean, std = input_stats(backbone, cfg.backbone)
+    method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)
+    size = cfg.backbone.img_size
+    return method, DeviceTransform(cfg.data, size, mean, std, train=True), DeviceTransform(cfg.data, size, mean, std, train=False)
+
+
+def header(cfg: RunConfig) -> dict[str, Any]:
+    return {
+        "clbench_version": __version__,
+        "method": cfg.method_target.rsplit(".", 1)[-1].lower(),
+        "backbone": cfg.backbone.name,
+        "benchmark": cfg.data.name,
+        "seed": cfg.seed,
+        "class_order_seed": cfg.data.class_order_seed,
+        "method_config": as_dict(cfg.method),
+        "backbone_config": {k: v for k, v in as_dict(cfg.backbone).items() if k != "kwargs"} | {"kwargs": dict(cfg.backbone.kwargs)},
+    }
+
+
+def train(
+    cfg: RunConfig, run_dir: Path, wandb_config: dict[str, Any], *, group: str | None = None, name: str | None = None
+) -> Results:
+    """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    device = resolve_device(cfg.trainer.device)
+    seed_everything(cfg.seed)
+    benchmark = build_benchmark(cfg.data).to(device)
+    method, train_tf, test_tf = build_method(cfg, benchmark, device)
+    rt = Runtime(cfg, benchmark, device, train_tf, test_tf)
+    results = Results(header(cfg), benchmark.tasks)
+    results.header["device"] = str(device)
+    tracker = WandbTracker(cfg.logger, run_dir, wandb_config, group=group, name=name)
+    exit_code = 1
+    try:
+        if cfg.trainer.eval_random_init:
+            results.random_init = measure_random_init(method, rt)
+        step = 0
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=True) as progress:
+            for task in benchmark.tasks:
+                method.before_task(task)
+                if task.id > 0:
+                    results.before_task["til"][task.id] = rt.evaluate(method, [task.id], ("til",))["til"][0]
+                    results.before_task["cil"][task.id] = 0.0  # its classes are unseen: no class-incremental guess can hit
+                start = time.perf_counter()
+                step, images = run_task(method, task, rt, epochs=cfg.trainer.epochs, tracker=tracker, progress=progress, step=step)
+                method.after_task(task)
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                train_s = time.perf_counter() - start
+                start = time.perf_counter()
+                results.add_stage(rt.evaluate(method, list(range(task.id + 1))))
+                eval_s = time.perf_counter() - start
+                results.timing["train_s"].append(round(train_s, 3))
+                results.timing["eval_s"].append(round(eval_s, 3))
+                results.timing["train_images_per_s"].append(round(images / train_s, 1) if train_s > 0 else None)
+                results.storage = method.storage()
+                results.extra = method.extra_results()
+                write_run_files(results, run_dir)
+                tracker.log_stage(results, run_dir, step)
+                row = results.rows
+                console.print(
+                    f"task {task.id}: TIL {row['til'][-1][task.id]:.1f}% / CIL {row['cil'][-1][task.id]:.1f}% on it; "
+                    f"mean over seen tasks TIL {np.mean(row['til'][-1][: task.id + 1]):.1f}% "
+                    f"CIL {np.mean(row['cil'][-1][: task.id + 1]):.1f}%  ({train_s:.1f}s train, {eval_s:.1f}s eval)"
+                )
+        results.status = "finished"
+        exit_code = 0
+    except BaseException as err:
+        results.status = "failed"
+        results.failure = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        write_run_files(results, run_dir, heatmaps=results.stages > 0)
+        tracker.finish(results, exit_code)
+    print_summary(results, run_dir)
+    return results

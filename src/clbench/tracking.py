@@ -1,0 +1,178 @@
+"""Where results go: the run folder (JSON, CSV, heatmap PNGs), the console (rich tables) and W&B."""
+
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+from rich.console import Console
+from rich.table import Table
+
+from clbench.config import LoggerConfig
+from clbench.evaluation import SCENARIOS
+from clbench.results import Results, write_atomic
+
+log = logging.getLogger(__name__)
+console = Console(stderr=True)
+
+_SCENARIO_TITLES = {"til": "task-incremental (task id given)", "cil": "class-incremental (no task id)"}
+_METRIC_LABELS = {
+    "final_acc": "final acc",
+    "avg_incremental_acc": "avg incremental acc",
+    "forgetting": "forgetting (Chaudhry)",
+    "forgetting_l2p": "forgetting (L2P code)",
+    "bwt": "BWT",
+    "fwt": "FWT",
+}
+
+
+# --------------------------------------------------------------------------------------------- run folder
+def matrix_csv(matrix: list[list[float | None]]) -> str:
+    """Rows = after training task i, columns = evaluated task j; empty cells where undefined."""
+    buf = io.StringIO()
+    writer = csv.writer(buf)
+    width = len(matrix[0]) if matrix else 0
+    writer.writerow(["after_task", *[f"task_{j}" for j in range(width)]])
+    for i, row in enumerate(matrix):
+        writer.writerow([i, *["" if v is None else f"{v:.4f}" for v in row]])
+    return buf.getvalue()
+
+
+def heatmap_png(results: Results, scenario: str) -> bytes:
+    """Accuracy and forgetting matrices of one scenario side by side, values annotated."""
+    panels = [("accuracy (%)", results.rows[scenario], "viridis"), ("forgetting (pp)", results.forgetting_rows(scenario), "magma_r")]
+    n = len(results.tasks)
+    fig, axes = plt.subplots(1, 2, figsize=(2 + 1.1 * n, 1.2 + 0.55 * n), squeeze=False)
+    for ax, (title, rows, cmap) in zip(axes[0], panels, strict=True):
+        grid = [[math.nan if v is None else v for v in row] for row in rows] or [[math.nan] * n]
+        im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=100 if "accuracy" in title else None)
+        for i, row in enumerate(rows):
+            for j, v in enumerate(row):
+                if v is not None:
+                    r, g, b, _ = im.cmap(im.norm(v))
+                    ink = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color=ink)
+        ax.set_title(title, fontsize=9)
+        ax.set_xlabel("evaluated task")
+        ax.set_ylabel("after training task")
+        ax.set_xticks(range(n))
+        ax.set_yticks(range(len(grid)))
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    header = results.header
+    fig.suptitle(f"{header['method']} on {header['benchmark']}: {_SCENARIO_TITLES[scenario]}", fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def write_run_files(results: Results, run_dir: Path, *, heatmaps: bool = True) -> None:
+    """results.json, the matrices as CSV and (optionally) the heatmaps; every file written atomically."""
+    results.write(run_dir)
+    for s in SCENARIOS:
+        write_atomic(run_dir / f"acc_matrix_{s}.csv", matrix_csv(results.rows[s]))
+        write_atomic(run_dir / f"forgetting_matrix_{s}.csv", matrix_csv(results.forgetting_rows(s)))
+        if heatmaps:
+            write_atomic(run_dir / f"heatmap_{s}.png", heatmap_png(results, s))
+
+
+# --------------------------------------------------------------------------------------------- console
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
+def summary_tables(results: Results) -> list[Table]:
+    """The accuracy matrices (one per scenario) and a metrics table."""
+    tables = []
+    for s in SCENARIOS:
+        table = Table(title=f"Accuracy (%), {_SCENARIO_TITLES[s]}", title_justify="left")
+        table.add_column("after task", justify="right")
+        for j in range(len(results.tasks)):
+            table.add_column(f"T{j}", justify="right")
+        for i, row in enumerate(results.rows[s]):
+            table.add_row(str(i), *[_fmt(v) for v in row])
+        tables.append(table)
+    metrics = results.metrics()
+    table = Table(title="Metrics (%)", title_justify="left")
+    table.add_column("metric")
+    for s in SCENARIOS:
+        table.add_column(s.upper(), justify="right")
+    for key, label in _METRIC_LABELS.items():
+        table.add_row(label, *[_fmt(metrics.get(s, {}).get(key)) for s in SCENARIOS])
+    tables.append(table)
+    return tables
+
+
+def print_summary(results: Results, run_dir: Path) -> None:
+    for table in summary_tables(results):
+        console.print(table)
+    console.print(f"[bold]Run folder:[/bold] {run_dir}  (results.json, CSVs, heatmap_til.png, heatmap_cil.png)")
+
+
+# --------------------------------------------------------------------------------------------- W&B
+class WandbTracker:
+    """A thin W&B session; every call is a no-op when ``logger.mode=disabled``."""
+
+    def __init__(
+        self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], *, group: str | None, name: str | None
+    ) -> None:
+        self.run = None
+        if cfg.mode == "disabled":
+            return
+        import wandb
+
+        self._wandb = wandb
+        self.run = wandb.init(
+            project=cfg.project,
+            entity=cfg.entity,
+            mode=cfg.mode,
+            dir=str(run_dir),
+            config=config,
+            group=cfg.group or group,
+            name=cfg.name or name,
+            tags=list(cfg.tags),
+            settings=wandb.Settings(quiet=True, console="off"),
+        )
+
+    def log(self, data: dict[str, Any], step: int) -> None:
+        if self.run is not None:
+            self.run.log(data, step=step)
+
+    def log_stage(self, results: Results, run_dir: Path, step: int) -> None:
+        """Per-task accuracies, the matrices as tables and heatmaps, and the metrics so far."""
+        if self.run is None:
+            return
+        wandb = self._wandb
+        i = results.stages - 1
+        data: dict[str, Any] = {"task": i}
+        for s in SCENARIOS:
+            for j, v in enumerate(results.rows[s][i][: i + 1]):
+                data[f"eval/{s}/task_{j}"] = v
+            for key, v in results.metrics()[s].items():
+                if v is not None:
+                    data[f"metrics/{s}/{key}"] = v
+            columns = ["after_task", *[f"task_{j}" for j in range(len(results.tasks))]]
+            data[f"acc_matrix/{s}"] = wandb.Table(columns=columns, data=[[k, *r] for k, r in enumerate(results.rows[s])])
+            data[f"forgetting_matrix/{s}"] = wandb.Table(
+                columns=columns, data=[[k, *r] for k, r in enumerate(results.forgetting_rows(s))]
+            )
+            data[f"heatmap/{s}"] = wandb.Image(str(run_dir / f"heatmap_{s}.png"))
+        self.run.log(data, step=step)
+
+    def finish(self, results: Results, exit_code: int) -> None:
+        if self.run is None:
+            return
+        for s, values in results.metrics().items():
+            for key, v in values.items():
+                self.run.summary[f"{s}/{key}"] = v
+        self.run.summary["status"] = results.status
+        self.run.finish(exit_code=exit_code)
