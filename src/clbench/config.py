@@ -137,7 +137,12 @@ class TrainerConfig:
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
         require_choice("trainer.schedule", self.schedule, ("cosine", "constant"))
         require(self.warmup_epochs >= 0, "trainer.warmup_epochs", self.warmup_epochs, "a float >= 0")
-        require(0 <= self.min_lr <= self.lr, "trainer.min_lr", self.min_lr, f"a float in [0, trainer.lr={self.lr}]")
+        require(
+            0 <= self.min_lr <= self.lr,
+            "trainer.min_lr",
+            self.min_lr,
+            f"a float in [0, trainer.lr={self.lr}]",
+        )
         require(self.grad_clip is None or self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "null or > 0")
         require_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         require_choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))

@@ -23,6 +23,7 @@ def evaluate(
     method: Method,
     benchmark: Benchmark,
     task_ids: list[int],
+    *,
     transform: DeviceTransform,
     batch_size: int,
     autocast: AbstractContextManager,

@@ -79,9 +79,7 @@ class Results:
             **self.header,
             "status": self.status,
             **({"failure": self.failure} if self.failure else {}),
-            "tasks": [
-                {"id": t.id, "classes": list(t.classes), "class_names": list(t.class_names)} for t in self.tasks
-            ],
+            "tasks": [{"id": t.id, "classes": list(t.classes), "class_names": list(t.class_names)} for t in self.tasks],
             "acc_matrix": {s: self.rows[s] for s in SCENARIOS},
             "forgetting_matrix": {s: self.forgetting_rows(s) for s in SCENARIOS},
             "metrics": self.metrics(),

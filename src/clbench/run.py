@@ -18,7 +18,14 @@ from typing import Any
 import numpy as np
 import torch
 from hydra.utils import get_class
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from clbench import __version__
 from clbench.backbones import build_backbone, input_stats
@@ -26,7 +33,7 @@ from clbench.config import RunConfig, TrainerConfig, as_dict
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
 from clbench.errors import ConfigError
 from clbench.evaluation import evaluate
-from clbench.methods import Method, Phase
+from clbench.methods import Method
 from clbench.results import Results
 from clbench.tracking import WandbTracker, console, print_summary, write_run_files
 
@@ -39,7 +46,9 @@ def seed_everything(seed: int) -> None:
 
 def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("Invalid value for `trainer.device`: 'cuda', but no CUDA device is visible. Allowed: auto, cpu.")
+        raise ConfigError(
+            "Invalid value for `trainer.device`: 'cuda', but no CUDA device is visible. Allowed: auto, cpu."
+        )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
     return torch.device(name)
@@ -67,7 +76,15 @@ class Runtime:
 
     def evaluate(self, method: Method, task_ids: list[int], scenarios: tuple[str, ...] = ("til", "cil")):
         bs = self.cfg.trainer.eval_batch_size
-        return evaluate(method, self.benchmark, task_ids, self.test_tf, bs, self.autocast, scenarios)
+        return evaluate(
+            method,
+            self.benchmark,
+            task_ids,
+            transform=self.test_tf,
+            batch_size=bs,
+            autocast=self.autocast,
+            scenarios=scenarios,
+        )
 
 
 # ------------------------------------------------------------------------------------------ optimisation
@@ -85,7 +102,10 @@ def build_optimizer(method: Method, groups: list[dict[str, Any]], cfg: TrainerCo
             continue
         decay = [p for p in params if id(p) not in exempt]
         free = [p for p in params if id(p) in exempt]
-        final += [{**base, "params": decay, "weight_decay": cfg.weight_decay}, {**base, "params": free, "weight_decay": 0.0}]
+        final += [
+            {**base, "params": decay, "weight_decay": cfg.weight_decay},
+            {**base, "params": free, "weight_decay": 0.0},
+        ]
     final = [g for g in final if g["params"]]
     if not final:
         raise RuntimeError(f"{type(method).__name__} returned no trainable parameters")
@@ -183,12 +203,17 @@ def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
 
 
 # ------------------------------------------------------------------------------------------ the run
-def build_method(cfg: RunConfig, benchmark: Benchmark, device: torch.device) -> tuple[Method, DeviceTransform, DeviceTransform]:
+def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
+    """Seed, then build the benchmark (on the device), the backbone, the method and the transforms."""
+    device = resolve_device(cfg.trainer.device)
+    seed_everything(cfg.seed)
+    benchmark = build_benchmark(cfg.data).to(device)
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
     method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)
     size = cfg.backbone.img_size
-    return method, DeviceTransform(cfg.data, size, mean, std, train=True), DeviceTransform(cfg.data, size, mean, std, train=False)
+    transforms = (DeviceTransform(cfg.data, size, mean, std, train=t) for t in (True, False))
+    return method, Runtime(cfg, benchmark, device, *transforms)
 
 
 def header(cfg: RunConfig) -> dict[str, Any]:
@@ -200,20 +225,23 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "class_order_seed": cfg.data.class_order_seed,
         "method_config": as_dict(cfg.method),
-        "backbone_config": {k: v for k, v in as_dict(cfg.backbone).items() if k != "kwargs"} | {"kwargs": dict(cfg.backbone.kwargs)},
+        "backbone_config": {k: v for k, v in as_dict(cfg.backbone).items() if k != "kwargs"}
+        | {"kwargs": dict(cfg.backbone.kwargs)},
     }
 
 
 def train(
-    cfg: RunConfig, run_dir: Path, wandb_config: dict[str, Any], *, group: str | None = None, name: str | None = None
+    cfg: RunConfig,
+    run_dir: Path,
+    wandb_config: dict[str, Any],
+    *,
+    group: str | None = None,
+    name: str | None = None,
 ) -> Results:
     """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    device = resolve_device(cfg.trainer.device)
-    seed_everything(cfg.seed)
-    benchmark = build_benchmark(cfg.data).to(device)
-    method, train_tf, test_tf = build_method(cfg, benchmark, device)
-    rt = Runtime(cfg, benchmark, device, train_tf, test_tf)
+    method, rt = build_runtime(cfg)
+    benchmark, device = rt.benchmark, rt.device
     results = Results(header(cfg), benchmark.tasks)
     results.header["device"] = str(device)
     tracker = WandbTracker(cfg.logger, run_dir, wandb_config, group=group, name=name)
@@ -222,15 +250,25 @@ def train(
         if cfg.trainer.eval_random_init:
             results.random_init = measure_random_init(method, rt)
         step = 0
-        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn())
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+        )
         with Progress(*columns, console=console, transient=True) as progress:
             for task in benchmark.tasks:
                 method.before_task(task)
                 if task.id > 0:
                     results.before_task["til"][task.id] = rt.evaluate(method, [task.id], ("til",))["til"][0]
-                    results.before_task["cil"][task.id] = 0.0  # its classes are unseen: no class-incremental guess can hit
+                    results.before_task["cil"][task.id] = (
+                        0.0  # its classes are unseen: no class-incremental guess can hit
+                    )
                 start = time.perf_counter()
-                step, images = run_task(method, task, rt, epochs=cfg.trainer.epochs, tracker=tracker, progress=progress, step=step)
+                step, images = run_task(
+                    method, task, rt, epochs=cfg.trainer.epochs, tracker=tracker, progress=progress, step=step
+                )
                 method.after_task(task)
                 if device.type == "cuda":
                     torch.cuda.synchronize()

@@ -48,12 +48,17 @@ def matrix_csv(matrix: list[list[float | None]]) -> str:
 
 def heatmap_png(results: Results, scenario: str) -> bytes:
     """Accuracy and forgetting matrices of one scenario side by side, values annotated."""
-    panels = [("accuracy (%)", results.rows[scenario], "viridis"), ("forgetting (pp)", results.forgetting_rows(scenario), "magma_r")]
+    forgetting = results.forgetting_rows(scenario)
+    spread = max([1.0] + [abs(v) for row in forgetting for v in row if v is not None])
+    panels = [  # forgetting diverges around 0: red = forgotten, blue = improved since its best
+        ("accuracy (%)", results.rows[scenario], "viridis", (0.0, 100.0)),
+        ("forgetting (pp)", forgetting, "RdBu_r", (-spread, spread)),
+    ]
     n = len(results.tasks)
     fig, axes = plt.subplots(1, 2, figsize=(2 + 1.1 * n, 1.2 + 0.55 * n), squeeze=False)
-    for ax, (title, rows, cmap) in zip(axes[0], panels, strict=True):
+    for ax, (title, rows, cmap, (lo, hi)) in zip(axes[0], panels, strict=True):
         grid = [[math.nan if v is None else v for v in row] for row in rows] or [[math.nan] * n]
-        im = ax.imshow(grid, cmap=cmap, vmin=0, vmax=100 if "accuracy" in title else None)
+        im = ax.imshow(grid, cmap=cmap, vmin=lo, vmax=hi)
         for i, row in enumerate(rows):
             for j, v in enumerate(row):
                 if v is not None:
@@ -161,7 +166,9 @@ class WandbTracker:
                 if v is not None:
                     data[f"metrics/{s}/{key}"] = v
             columns = ["after_task", *[f"task_{j}" for j in range(len(results.tasks))]]
-            data[f"acc_matrix/{s}"] = wandb.Table(columns=columns, data=[[k, *r] for k, r in enumerate(results.rows[s])])
+            data[f"acc_matrix/{s}"] = wandb.Table(
+                columns=columns, data=[[k, *r] for k, r in enumerate(results.rows[s])]
+            )
             data[f"forgetting_matrix/{s}"] = wandb.Table(
                 columns=columns, data=[[k, *r] for k, r in enumerate(results.forgetting_rows(s))]
             )

@@ -11,10 +11,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import timm
+from timm.models import is_model_in_modules
 from timm.models.vision_transformer import VisionTransformer
 
 from clbench.config import BackboneConfig
 from clbench.errors import ConfigError, WeightsError
+
+VIT_MODULES = ("vision_transformer", "deit")  # the timm modules whose models are VisionTransformers
 
 
 def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
@@ -24,6 +27,11 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
         raise ConfigError(
             f"Invalid value for `backbone.model`: {cfg.model!r} is not a timm model. "
             "Allowed: a name from timm.list_models('vit_*'), e.g. vit_base_patch16_224."
+        )
+    if not is_model_in_modules(cfg.model, VIT_MODULES):
+        raise ConfigError(
+            f"Invalid value for `backbone.model`: {cfg.model!r} is not a plain Vision Transformer. "
+            "Allowed: timm models of the vision_transformer and deit families (vit_*, deit_*)."
         )
     kwargs = dict(num_classes=0, img_size=cfg.img_size, drop_path_rate=cfg.drop_path_rate, **cfg.kwargs)
     if cfg.weights:
@@ -49,11 +57,6 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
             ) from None
     else:
         model = timm.create_model(name, pretrained=False, **kwargs)
-    if not isinstance(model, VisionTransformer):
-        raise ConfigError(
-            f"Invalid value for `backbone.model`: {cfg.model!r} builds a {type(model).__name__}; "
-            "clbench's methods need a timm VisionTransformer (vit_*, deit_*)."
-        )
     return model
 
 

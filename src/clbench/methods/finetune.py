@@ -13,9 +13,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from clbench.config import require_choice
 from clbench.data import Task
 from clbench.methods.base import Logs, Method, Phase
-from clbench.config import require_choice
 
 
 @dataclass

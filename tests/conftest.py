@@ -1,0 +1,48 @@
+"""Shared fixtures: offline environment, config composition and a tiny run setting."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from clbench.cli import config_dir
+from clbench.config import RunConfig, validate
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("WANDB_SILENT", "true")
+
+# A run that takes about a second on 2 CPU cores: 3 synthetic tasks of 2 classes, a 1-block 16px ViT.
+TINY = [
+    "data=synthetic_tiny",
+    "data.num_tasks=3",
+    "backbone=vit_micro",
+    "backbone.img_size=16",
+    "backbone.kwargs.depth=1",
+    "backbone.kwargs.embed_dim=32",
+    "backbone.kwargs.num_heads=2",
+    "trainer.epochs=2",
+    "trainer.batch_size=16",
+    "logger.mode=disabled",
+]
+
+
+def compose_config(*overrides: str) -> DictConfig:
+    """The config exactly as the CLI composes it (without the hydra node)."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def tiny_config(*overrides: str) -> RunConfig:
+    return validate(compose_config(*TINY, *overrides))
+
+
+@pytest.fixture(autouse=True)
+def _isolated_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_CACHE_DIR", str(tmp_path / "wandb_cache"))
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb_config"))

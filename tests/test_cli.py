@@ -1,0 +1,77 @@
+"""The `clbench` command as a user meets it: exit codes, one-paragraph errors, --help, multirun folders."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY
+
+
+def clbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(  # noqa: PLW1510 (the exit code is what the tests check)
+        [sys.executable, "-m", "clbench", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_multirun_gives_each_job_its_own_folder(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    out = clbench(
+        "-m",
+        *TINY,
+        "data.num_tasks=2",
+        "trainer.epochs=1",
+        "seed=0,1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    results = sorted(sweep.glob("*/results.json"))
+    assert [p.parent.name for p in results] == ["0", "1"]
+    assert [json.loads(p.read_text())["seed"] for p in results] == [0, 1]
+    assert all(json.loads(p.read_text())["status"] == "finished" for p in results)
+    assert "Metrics (%)" in out.stderr and "final acc" in out.stderr
+
+
+def test_bad_value_exits_2_with_one_clear_message(tmp_path: Path) -> None:
+    out = clbench("trainer.epochs=-3", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "Invalid value for `trainer.epochs`: -3. Allowed: an integer >= 0." in out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "run" / "results.json").exists()
+
+
+def test_unknown_method_lists_the_choices(tmp_path: Path) -> None:
+    out = clbench("method=magic", cwd=tmp_path)
+    assert out.returncode != 0
+    assert "Could not find 'method/magic'" in out.stderr and "finetune" in out.stderr and "joint" in out.stderr
+
+
+def test_missing_dataset_offline_names_the_path(tmp_path: Path) -> None:
+    out = clbench("data=cifar100_10tasks", f"data.root={tmp_path / 'empty'}", "logger.mode=disabled", cwd=tmp_path)
+    assert out.returncode == 2
+    assert str(tmp_path / "empty" / "cifar-100-python") in out.stderr and "data.download=true" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
+    out = clbench("--help", cwd=tmp_path)
+    assert out.returncode == 0
+    for text in (
+        "== Config groups",
+        "method: finetune, joint",
+        "data: ",
+        "backbone: ",
+        "Examples:",
+        "trainer.device=auto|cpu|cuda",
+    ):
+        assert text in out.stdout, text

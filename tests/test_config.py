@@ -1,0 +1,84 @@
+"""Every config group composes and validates; bad values are rejected with the key, value and choices."""
+
+from __future__ import annotations
+
+import pytest
+from omegaconf import DictConfig
+
+from clbench.cli import config_dir
+from clbench.config import validate
+from clbench.errors import ConfigError
+from conftest import compose_config
+
+
+def options(group: str) -> list[str]:
+    return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("group", ["data", "backbone", "trainer", "logger", "method"])
+def test_every_group_option_composes_and_validates(group: str) -> None:
+    assert options(group), f"no options in conf/{group}"
+    for name in options(group):
+        run_cfg = validate(compose_config(f"{group}={name}"))
+        assert run_cfg.trainer.epochs >= 0
+
+
+def test_default_is_the_embedded_benchmark() -> None:
+    cfg = validate(compose_config())
+    assert (cfg.data.name, cfg.backbone.name, cfg.method_target) == (
+        "digits_5tasks",
+        "vit_micro",
+        "clbench.methods.finetune.Finetune",
+    )
+    assert cfg.data.class_order_seed == 1993 and cfg.seed == 0
+    assert cfg.logger.mode == "offline" and cfg.trainer.device == "auto"
+
+
+def test_method_recipe_overrides_trainer_defaults_and_cli_overrides_both() -> None:
+    assert compose_config("method=joint").trainer.grad_clip == 1.0
+    assert compose_config("method=joint", "trainer.grad_clip=2.5").trainer.grad_clip == 2.5
+
+
+@pytest.mark.parametrize(
+    ("override", "key", "allowed"),
+    [
+        ("trainer.epochs=-1", "trainer.epochs", "an integer >= 0"),
+        ("trainer.device=tpu", "trainer.device", "auto, cpu, cuda"),
+        ("trainer.precision=fp8", "trainer.precision", "auto, bf16, fp32"),
+        ("trainer.lr=0", "trainer.lr", "> 0"),
+        ("trainer.optimizer=lion", "trainer.optimizer", "adamw, adam, sgd"),
+        ("logger.mode=loud", "logger.mode", "offline, online, disabled"),
+        ("data.num_tasks=9", "data.num_tasks", "[1, data.tasks=5]"),
+        ("data.train_crop=zoom", "data.train_crop", "pad, resized, none"),
+        ("backbone.weights=model.txt", "backbone.weights", ".safetensors"),
+        ("method.loss_scope=all", "method.loss_scope", "seen, task"),
+    ],
+)
+def test_bad_values_are_rejected_with_key_value_and_choices(override: str, key: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        validate(compose_config(override))
+    message = str(err.value)
+    assert f"`{key}`" in message and allowed in message
+    assert override.split("=", 1)[1] in message
+
+
+def test_wrong_type_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.epochs"):
+        validate(compose_config("trainer.epochs=many"))
+
+
+def test_unknown_method_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"method.*no_such_knob"):
+        validate(compose_config("+method.no_such_knob=1"))
+
+
+def test_unknown_top_level_key_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="typo_key"):
+        validate(compose_config("+typo_key=1"))
+
+
+def test_missing_method_target_is_rejected() -> None:
+    cfg = compose_config()
+    cfg.method = DictConfig({"loss_scope": "seen"})
+    with pytest.raises(ConfigError, match="_target_"):
+        validate(cfg)

@@ -1,0 +1,176 @@
+"""Benchmarks: real on-disk CIFAR layouts, class order, task splits and the device transforms."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from clbench.config import DataConfig
+from clbench.data import DeviceTransform, build_benchmark, sources
+from clbench.data.benchmark import class_order
+from clbench.errors import DataError
+
+
+def _pickle(path: Path, obj: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as f:
+        pickle.dump(obj, f, protocol=2)
+
+
+def _images(labels: np.ndarray) -> np.ndarray:
+    """Flattened CIFAR rows (N, 3072) whose first pixel encodes the original label."""
+    data = np.zeros((len(labels), 3 * 32 * 32), dtype=np.uint8)
+    data[:, 0] = labels
+    return data
+
+
+def write_cifar100(root: Path, per_class: int = 3) -> None:
+    """The official cifar-100-python layout: train, test and meta pickles."""
+    folder = root / "cifar-100-python"
+    for split, n in (("train", per_class), ("test", 1)):
+        labels = np.repeat(np.arange(100), n)
+        _pickle(
+            folder / split,
+            {
+                "data": _images(labels),
+                "fine_labels": labels.tolist(),
+                "coarse_labels": (labels // 5).tolist(),
+            },
+        )
+    _pickle(folder / "meta", {"fine_label_names": [f"c{i}" for i in range(100)], "coarse_label_names": []})
+
+
+def write_cifar10(root: Path) -> None:
+    folder = root / "cifar-10-batches-py"
+    for i in range(1, 6):
+        labels = np.arange(10)
+        _pickle(folder / f"data_batch_{i}", {"data": _images(labels), "labels": labels.tolist()})
+    _pickle(folder / "test_batch", {"data": _images(np.arange(10)), "labels": list(range(10))})
+    _pickle(folder / "batches.meta", {"label_names": [f"n{i}" for i in range(10)]})
+
+
+def cifar_config(root: Path, **kw) -> DataConfig:
+    return DataConfig(name="cifar100_10tasks", source="cifar100", tasks=10, root=str(root), **kw)
+
+
+def test_cifar100_reader_builds_ordered_tasks(tmp_path: Path) -> None:
+    write_cifar100(tmp_path)
+    bench = build_benchmark(cifar_config(tmp_path, verify_checksums=False))
+    assert len(bench.tasks) == 10 and bench.num_classes == 100
+    order = class_order(100, 1993)
+    assert list(bench.tasks[0].classes) == order[:10].tolist()
+    for task, split in zip(bench.tasks, bench.train, strict=True):
+        assert split.x.dtype == torch.uint8 and split.x.shape[1:] == (3, 32, 32)
+        assert len(split) == 30
+        assert split.y.min() == task.offset and split.y.max() == task.offset + 9
+        # the first pixel holds the original label: it must match the class at the remapped position
+        original = split.x[:, 0, 0, 0].long()
+        assert torch.equal(original, torch.tensor(task.classes)[split.y - task.offset])
+    assert bench.tasks[0].class_names[0] == f"c{order[0]}"
+
+
+def test_cifar10_reader(tmp_path: Path) -> None:
+    write_cifar10(tmp_path)
+    cfg = DataConfig(name="cifar10_5tasks", source="cifar10", tasks=5, root=str(tmp_path), verify_checksums=False)
+    bench = build_benchmark(cfg)
+    assert [len(s) for s in bench.train] == [10] * 5 and [len(s) for s in bench.test] == [2] * 5
+
+
+def test_checksums_reject_a_copy_made_by_hand(tmp_path: Path) -> None:
+    write_cifar100(tmp_path)
+    with pytest.raises(DataError, match="fail their checksums") as err:
+        build_benchmark(cifar_config(tmp_path))
+    assert "verify_checksums=false" in str(err.value)
+
+
+def test_missing_files_offline_name_the_path_and_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(DataError) as err:
+        build_benchmark(cifar_config(tmp_path / "nowhere"))
+    message = str(err.value)
+    assert str(tmp_path / "nowhere" / "cifar-100-python") in message
+    assert "data.download=true" in message and "cifar-100-python.tar.gz" in message
+
+
+def test_download_uses_the_checksummed_archive(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def fake_download(url: str, root: str, filename: str, md5: str | None) -> None:
+        calls.append((url, filename, md5))
+        write_cifar100(Path(root))
+
+    monkeypatch.setattr(sources, "download_and_extract_archive", fake_download)
+    bench = build_benchmark(cifar_config(tmp_path, download=True, verify_checksums=False))
+    assert bench.num_classes == 100
+    assert calls == [("https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz", "cifar-100-python.tar.gz", None)]
+
+
+def test_failed_download_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_network(*args, **kwargs) -> None:
+        raise OSError("Network is unreachable")
+
+    monkeypatch.setattr(sources, "download_and_extract_archive", no_network)
+    with pytest.raises(DataError, match=r"Could not download cifar100.*Network is unreachable"):
+        build_benchmark(cifar_config(tmp_path, download=True))
+
+
+def test_class_order_depends_only_on_its_own_seed() -> None:
+    cfg = DataConfig(name="d", source="digits", tasks=5)
+    torch.manual_seed(0)
+    a = build_benchmark(cfg)
+    torch.manual_seed(123)  # the training seed must not matter
+    b = build_benchmark(cfg)
+    assert [t.classes for t in a.tasks] == [t.classes for t in b.tasks]
+    other = build_benchmark(DataConfig(name="d", source="digits", tasks=5, class_order_seed=7))
+    assert [t.classes for t in other.tasks] != [t.classes for t in a.tasks]
+    natural = build_benchmark(DataConfig(name="d", source="digits", tasks=5, class_order_seed=None))
+    assert [t.classes for t in natural.tasks] == [(0, 1), (2, 3), (4, 5), (6, 7), (8, 9)]
+
+
+def test_digits_tasks_are_disjoint_and_num_tasks_truncates() -> None:
+    bench = build_benchmark(DataConfig(name="d", source="digits", tasks=5, num_tasks=3))
+    assert len(bench.tasks) == 3 and bench.num_classes == 6
+    assert sum(len(s) for s in bench.train) + sum(len(s) for s in bench.test) == pytest.approx(1797 * 6 / 10, rel=0.02)
+    seen: set[int] = set()
+    for task in bench.tasks:
+        assert not seen & set(task.classes)
+        seen |= set(task.classes)
+    assert bench.train[0].x.shape[1:] == (1, 8, 8)
+
+
+def test_too_many_tasks_for_the_classes_is_rejected() -> None:
+    with pytest.raises(Exception, match=r"data\.tasks"):
+        build_benchmark(DataConfig(name="d", source="digits", tasks=11))
+
+
+@pytest.mark.parametrize("crop", ["pad", "resized", "none"])
+def test_transforms_produce_normalised_rgb_at_the_backbone_size(crop: str) -> None:
+    cfg = DataConfig(name="d", source="digits", tasks=5, train_crop=crop, hflip=True)
+    images = torch.randint(0, 256, (6, 1, 8, 8), dtype=torch.uint8)
+    for train in (True, False):
+        out = DeviceTransform(cfg, 32, (0.5, 0.5, 0.5), (0.5, 0.5, 0.5), train=train)(images)
+        assert out.shape == (6, 3, 32, 32) and out.dtype == torch.float32
+        assert out.min() >= -1.0 - 1e-5 and out.max() <= 1.0 + 1e-5
+
+
+def test_eval_transform_is_deterministic_and_train_transform_is_random() -> None:
+    cfg = DataConfig(name="d", source="digits", tasks=5, train_crop="pad", crop_padding=2, hflip=True)
+    images = torch.randint(0, 256, (16, 3, 32, 32), dtype=torch.uint8)
+    test_tf = DeviceTransform(cfg, 32, (0.0,) * 3, (1.0,) * 3, train=False)
+    assert torch.equal(test_tf(images), images.float() / 255)
+    train_tf = DeviceTransform(cfg, 32, (0.0,) * 3, (1.0,) * 3, train=True)
+    assert not torch.equal(train_tf(images), train_tf(images))
+
+
+def test_pad_crop_shifts_by_whole_pixels() -> None:
+    cfg = DataConfig(name="d", source="digits", tasks=5, train_crop="pad", crop_padding=3, hflip=False)
+    image = torch.zeros(1, 3, 16, 16, dtype=torch.uint8)
+    image[..., 8, 8] = 255
+    out = DeviceTransform(cfg, 16, (0.0,) * 3, (1.0,) * 3, train=True)(image.expand(64, -1, -1, -1))
+    peaks = out[:, 0].flatten(1).argmax(1)
+    rows, cols = peaks // 16, peaks % 16
+    assert ((rows - 8).abs() <= 3).all() and ((cols - 8).abs() <= 3).all()
+    assert torch.allclose(out[:, 0].amax((1, 2)), torch.ones(64))  # whole-pixel shifts keep the peak intact

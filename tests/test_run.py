@@ -1,0 +1,138 @@
+"""End-to-end runs of the reference methods on tiny data: the results.json contract and the run folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from clbench import run as run_module
+from clbench.run import build_runtime, lr_factor, run_task, train
+from conftest import tiny_config
+
+TASKS = 3
+
+
+def run_tiny(tmp_path: Path, *overrides: str):
+    cfg = tiny_config(*overrides)
+    return train(cfg, tmp_path, {"test": True}), json.loads((tmp_path / "results.json").read_text())
+
+
+def assert_lower_triangular(matrix: list[list[float | None]]) -> None:
+    assert len(matrix) == TASKS and all(len(row) == TASKS for row in matrix)
+    for i, row in enumerate(matrix):
+        assert all(isinstance(v, float) and 0 <= v <= 100 for v in row[: i + 1])
+        assert all(v is None for v in row[i + 1 :])
+
+
+def test_finetune_results_follow_the_contract(tmp_path: Path) -> None:
+    _, res = run_tiny(tmp_path, "method=finetune")
+    assert res["status"] == "finished" and res["method"] == "finetune"
+    assert (res["benchmark"], res["backbone"], res["seed"], res["class_order_seed"]) == (
+        "synthetic_tiny",
+        "vit_micro",
+        0,
+        1993,
+    )
+    assert [t["id"] for t in res["tasks"]] == [0, 1, 2] and len(res["tasks"][0]["classes"]) == 2
+    for s in ("til", "cil"):
+        assert_lower_triangular(res["acc_matrix"][s])
+        f = res["forgetting_matrix"][s]
+        assert f[0] == [None] * TASKS and f[2][2] is None and isinstance(f[2][0], float)
+        m = res["metrics"][s]
+        assert set(m) >= {"final_acc", "avg_incremental_acc", "forgetting", "bwt", "fwt"}
+        assert m["final_acc"] == pytest.approx(sum(res["acc_matrix"][s][-1]) / TASKS)
+        assert len(res["random_init_acc"][s]) == TASKS
+    assert len(res["storage"]["bits_per_task"]) == TASKS and res["storage"]["trainable_params"] > 0
+    for key in ("train_s", "eval_s", "train_images_per_s"):
+        assert len(res["timing"][key]) == TASKS
+    for name in (
+        "acc_matrix_til.csv",
+        "acc_matrix_cil.csv",
+        "forgetting_matrix_cil.csv",
+        "heatmap_til.png",
+        "heatmap_cil.png",
+    ):
+        assert (tmp_path / name).stat().st_size > 0, name
+    assert (tmp_path / "heatmap_cil.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "acc_matrix_til.csv").read_text().splitlines()[0] == "after_task,task_0,task_1,task_2"
+
+
+def test_finetune_forgets_in_class_incremental_and_joint_does_not(tmp_path: Path) -> None:
+    overrides = ("trainer.epochs=6",)
+    _, ft = run_tiny(tmp_path / "ft", "method=finetune", *overrides)
+    _, joint = run_tiny(tmp_path / "joint", "method=joint", *overrides)
+    # finetune learns each task, then its growing head forgets the old classes
+    assert ft["acc_matrix"]["cil"][0][0] > 80
+    assert ft["acc_matrix"]["cil"][-1][0] < 20
+    assert ft["metrics"]["cil"]["forgetting"] > 50
+    assert joint["metrics"]["cil"]["final_acc"] > ft["metrics"]["cil"]["final_acc"] + 30
+
+
+def test_same_seed_same_results_and_random_init_probe_does_not_change_training(tmp_path: Path) -> None:
+    _, a = run_tiny(tmp_path / "a")
+    _, b = run_tiny(tmp_path / "b")
+    _, c = run_tiny(tmp_path / "c", "trainer.eval_random_init=false")
+    assert a["acc_matrix"] == b["acc_matrix"] == c["acc_matrix"]
+    assert c["random_init_acc"] is None and c["metrics"]["til"]["fwt"] is None
+
+
+def test_wandb_offline_writes_a_run_folder(tmp_path: Path) -> None:
+    run_tiny(tmp_path, "logger.mode=offline", "data.num_tasks=1")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
+
+
+def test_a_failing_run_records_the_failure_and_keeps_finished_tasks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_evaluate = run_module.Runtime.evaluate
+    calls = {"n": 0}
+
+    def evaluate_then_fail(self, method, task_ids, scenarios=("til", "cil")):
+        if len(task_ids) == 2 and scenarios == ("til", "cil"):  # after task 1
+            raise RuntimeError("disk on fire")
+        calls["n"] += 1
+        return real_evaluate(self, method, task_ids, scenarios)
+
+    monkeypatch.setattr(run_module.Runtime, "evaluate", evaluate_then_fail)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        run_tiny(tmp_path, "trainer.eval_random_init=false")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["status"] == "failed" and "disk on fire" in res["failure"]
+    assert len(res["acc_matrix"]["til"]) == 1  # task 0's row survived
+    assert not list(tmp_path.glob(".results.json.*"))  # no temp file left behind
+
+
+def test_frozen_backbone_finetune_leaves_backbone_bit_identical() -> None:
+    method, rt = build_runtime(tiny_config("method.freeze_backbone=true"))
+    before = {k: v.clone() for k, v in method.backbone.state_dict().items()}
+    for task in rt.benchmark.tasks[:2]:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=1)
+        method.after_task(task)
+    assert all(torch.equal(before[k], v) for k, v in method.backbone.state_dict().items())
+    assert not any(p.requires_grad for p in method.backbone.parameters())
+
+
+def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
+    cfg = tiny_config("trainer.lr=1.0", "trainer.min_lr=0.1").trainer
+    assert lr_factor(0, 100, 10, cfg) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, cfg) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, cfg) == pytest.approx(1.0)
+    assert lr_factor(100, 100, 10, cfg) == pytest.approx(0.1)
+
+
+def test_heatmap_renders_negative_forgetting() -> None:
+    from clbench.data import Task
+    from clbench.results import Results
+    from clbench.tracking import heatmap_png
+
+    tasks = [Task(i, (i,), (str(i),), i) for i in range(2)]
+    results = Results({"method": "m", "benchmark": "b"}, tasks)
+    results.add_stage({"til": [50.0], "cil": [50.0]})
+    results.add_stage({"til": [70.0, 90.0], "cil": [60.0, 90.0]})  # task 0 improved: forgetting -20
+    assert results.forgetting_rows("til")[1][0] == -20.0
+    assert heatmap_png(results, "til")[:4] == b"\x89PNG"
