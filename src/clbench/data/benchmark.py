@@ -1,0 +1,119 @@
+"""A benchmark is a source's classes, permuted by ``class_order_seed`` and cut into tasks.
+
+Labels are remapped so that task ``t`` owns the contiguous global labels ``offset .. offset + n_t - 1`` in
+class-order position; results record the original class ids and names of every task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from clbench.config import DataConfig
+from clbench.data.sources import SourceData, load_source
+from clbench.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Task:
+    """One task: its position, its classes (original ids and names) and its global label range."""
+
+    id: int
+    classes: tuple[int, ...]
+    class_names: tuple[str, ...]
+    offset: int
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classes)
+
+
+@dataclass
+class Split:
+    """Images (uint8, N x C x H x W) and global labels of one task."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def to(self, device: torch.device) -> Split:
+        return Split(self.x.to(device, non_blocking=True), self.y.to(device, non_blocking=True))
+
+    @staticmethod
+    def cat(splits: list[Split]) -> Split:
+        return splits[0] if len(splits) == 1 else Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+
+    def num_batches(self, batch_size: int) -> int:
+        return -(-len(self) // batch_size)
+
+    def batches(self, batch_size: int, *, shuffle: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """Slices of one epoch; with ``shuffle``, a fresh permutation drawn on the data's device."""
+        order = torch.randperm(len(self), device=self.y.device) if shuffle else None
+        for start in range(0, len(self), batch_size):
+            idx = order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
+            yield self.x[idx], self.y[idx]
+
+
+@dataclass
+class Benchmark:
+    """Ordered tasks with their train and test splits."""
+
+    name: str
+    tasks: list[Task]
+    train: list[Split]
+    test: list[Split]
+
+    @property
+    def num_classes(self) -> int:
+        return sum(t.num_classes for t in self.tasks)
+
+    @property
+    def channels(self) -> int:
+        return self.train[0].x.shape[1]
+
+    def to(self, device: torch.device) -> Benchmark:
+        return Benchmark(self.name, self.tasks, [s.to(device) for s in self.train], [s.to(device) for s in self.test])
+
+
+def class_order(num_classes: int, seed: int | None) -> np.ndarray:
+    """The class permutation: seeded as iCaRL/PyCIL do (``np.random.seed(seed); permutation``)."""
+    if seed is None:
+        return np.arange(num_classes)
+    return np.random.RandomState(seed).permutation(num_classes)
+
+
+def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
+    """Permute the classes, cut them into ``cfg.tasks`` near-equal tasks and keep the first ``num_tasks``."""
+    num_classes = len(source.class_names)
+    if cfg.tasks > num_classes:
+        raise ConfigError(
+            f"Invalid value for `data.tasks`: {cfg.tasks}. Allowed: at most {num_classes} "
+            f"(the number of classes in {cfg.source})."
+        )
+    order = class_order(num_classes, cfg.class_order_seed)
+    position = np.empty(num_classes, dtype=np.int64)
+    position[order] = np.arange(num_classes)  # original label -> global label
+    remap = torch.from_numpy(position)
+    train_y, test_y = remap[source.train_y], remap[source.test_y]
+
+    tasks, train, test, offset = [], [], [], 0
+    for task_id, chunk in enumerate(np.array_split(order, cfg.tasks)[: cfg.num_tasks or cfg.tasks]):
+        names = tuple(source.class_names[c] for c in chunk)
+        tasks.append(Task(task_id, tuple(int(c) for c in chunk), names, offset))
+        lo, hi = offset, offset + len(chunk)
+        tr = (train_y >= lo) & (train_y < hi)
+        te = (test_y >= lo) & (test_y < hi)
+        train.append(Split(source.train_x[tr].contiguous(), train_y[tr]))
+        test.append(Split(source.test_x[te].contiguous(), test_y[te]))
+        offset = hi
+    return Benchmark(cfg.name, tasks, train, test)
+
+
+def build_benchmark(cfg: DataConfig) -> Benchmark:
+    """Load the configured source and split it into tasks (on the CPU; move it with ``.to(device)``)."""
+    return split_into_tasks(load_source(cfg), cfg)

@@ -1,0 +1,73 @@
+"""Batched image transforms on the training device: no per-image Python, no PIL.
+
+Training crops, flips and resizes in one ``F.grid_sample`` per batch with a per-sample affine grid:
+``pad`` shifts each image by up to ``crop_padding`` pixels with zero fill (the CIFAR pad-and-crop recipe),
+``resized`` samples a RandomResizedCrop box (area ``resized_crop_scale``, aspect ratio 3/4..4/3).
+Evaluation resizes with antialiasing. Both then normalise with the backbone's mean/std.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from clbench.config import DataConfig
+
+
+class DeviceTransform:
+    """uint8 (B, C, H, W) -> float (B, 3, S, S), normalised; ``train`` enables the random augmentation."""
+
+    def __init__(
+        self,
+        cfg: DataConfig,
+        out_size: int,
+        mean: tuple[float, ...],
+        std: tuple[float, ...],
+        *,
+        train: bool,
+    ) -> None:
+        self.cfg, self.out_size, self.train = cfg, out_size, train
+        self.mean = torch.tensor(mean).view(1, -1, 1, 1)
+        self.std = torch.tensor(std).view(1, -1, 1, 1)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.float().div_(255.0)
+        if x.shape[1] == 1:
+            x = x.expand(-1, 3, -1, -1)
+        if self.train and (self.cfg.train_crop != "none" or self.cfg.hflip):
+            x = self._augment(x)
+        elif x.shape[-1] != self.out_size or x.shape[-2] != self.out_size:
+            x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", antialias=True)
+        mean, std = self.mean.to(x.device), self.std.to(x.device)
+        return (x - mean) / std
+
+    def _augment(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, h, w = x.shape
+        dev = x.device
+        scale_x = torch.ones(b, device=dev)
+        scale_y = torch.ones(b, device=dev)
+        shift_x = torch.zeros(b, device=dev)
+        shift_y = torch.zeros(b, device=dev)
+        if self.cfg.train_crop == "pad":
+            p = self.cfg.crop_padding
+            shift_x = torch.randint(-p, p + 1, (b,), device=dev) * (2.0 / w)
+            shift_y = torch.randint(-p, p + 1, (b,), device=dev) * (2.0 / h)
+        elif self.cfg.train_crop == "resized":
+            lo, hi = self.cfg.resized_crop_scale
+            area = torch.empty(b, device=dev).uniform_(lo, hi)
+            log_ratio = torch.empty(b, device=dev).uniform_(math.log(3 / 4), math.log(4 / 3))
+            ratio = log_ratio.exp()
+            scale_x = (area * ratio).sqrt().clamp(max=1.0)
+            scale_y = (area / ratio).sqrt().clamp(max=1.0)
+            shift_x = (torch.rand(b, device=dev) * 2 - 1) * (1 - scale_x)
+            shift_y = (torch.rand(b, device=dev) * 2 - 1) * (1 - scale_y)
+        if self.cfg.hflip:
+            scale_x = scale_x * (torch.randint(0, 2, (b,), device=dev) * 2 - 1)
+        theta = torch.zeros(b, 2, 3, device=dev)
+        theta[:, 0, 0], theta[:, 0, 2] = scale_x, shift_x
+        theta[:, 1, 1], theta[:, 1, 2] = scale_y, shift_y
+        grid = F.affine_grid(theta, [b, x.shape[1], self.out_size, self.out_size], align_corners=False)
+        return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+
