@@ -281,7 +281,9 @@ def train(
                 results.timing["train_images_per_s"].append(round(images / train_s, 1) if train_s > 0 else None)
                 results.storage = method.storage()
                 results.extra = method.extra_results()
-                write_run_files(results, run_dir)
+                write_run_files(
+                    results, run_dir, artifacts={k: v.cpu().contiguous() for k, v in method.artifacts().items()}
+                )
                 tracker.log_stage(results, run_dir, step)
                 row = results.rows
                 console.print(

@@ -13,8 +13,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+import torch
 from rich.console import Console
 from rich.table import Table
+from safetensors.torch import save as save_safetensors
 
 from clbench.config import LoggerConfig
 from clbench.evaluation import SCENARIOS
@@ -80,9 +82,14 @@ def heatmap_png(results: Results, scenario: str) -> bytes:
     return buf.getvalue()
 
 
-def write_run_files(results: Results, run_dir: Path, *, heatmaps: bool = True) -> None:
-    """results.json, the matrices as CSV and (optionally) the heatmaps; every file written atomically."""
+def write_run_files(
+    results: Results, run_dir: Path, *, heatmaps: bool = True, artifacts: dict[str, torch.Tensor] | None = None
+) -> None:
+    """results.json, the matrices as CSV, (optionally) the heatmaps and the method's tensors (safetensors);
+    every file written atomically."""
     results.write(run_dir)
+    if artifacts:
+        write_atomic(run_dir / "method_artifacts.safetensors", save_safetensors(artifacts))
     for s in SCENARIOS:
         write_atomic(run_dir / f"acc_matrix_{s}.csv", matrix_csv(results.rows[s]))
         write_atomic(run_dir / f"forgetting_matrix_{s}.csv", matrix_csv(results.forgetting_rows(s)))

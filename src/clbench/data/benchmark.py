@@ -46,7 +46,9 @@ class Split:
 
     @staticmethod
     def cat(splits: list[Split]) -> Split:
-        return splits[0] if len(splits) == 1 else Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+        return (
+            splits[0] if len(splits) == 1 else Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
+        )
 
     def num_batches(self, batch_size: int) -> int:
         return -(-len(self) // batch_size)

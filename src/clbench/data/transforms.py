@@ -70,4 +70,3 @@ class DeviceTransform:
         theta[:, 1, 1], theta[:, 1, 2] = scale_y, shift_y
         grid = F.affine_grid(theta, [b, x.shape[1], self.out_size, self.out_size], align_corners=False)
         return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
-

@@ -131,6 +131,13 @@ class Method(nn.Module):
             "trainable_params": sum(p.numel() for p in self.parameters() if p.requires_grad),
         }
 
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        """Tensors saved with the run after every task (method_artifacts.safetensors): the heads, plus
+        whatever a method needs to evaluate its tasks again (masks, owner indices)."""
+        return {
+            f"head.{t}.{k}": v.detach().clone() for t, h in enumerate(self.heads) for k, v in h.state_dict().items()
+        }
+
     def extra_results(self) -> dict[str, Any]:
         """Method-specific entries for results.json (e.g. L2P's prompt histogram)."""
         return {}

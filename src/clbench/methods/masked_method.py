@@ -1,0 +1,88 @@
+"""Shared base of the weight-mask methods: masked Linears, per-task binary masks, per-task heads.
+
+A subclass decides, per layer and task, which mask multiplies the weight (:meth:`mask_for`); the base
+sets those masks before every forward pass, trains only the current head plus what the subclass adds,
+stores finished tasks' masks as boolean buffers (counted and saved as packed bits), and reports storage.
+These methods are task-conditioned: without a task id they infer it (lowest entropy, or their own rule).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import VisionTransformer
+
+from clbench.data import Benchmark, Task
+from clbench.methods.base import Logs, Method
+from clbench.methods.masking import MaskedLinear, buffer_name, pack_bits, wrap_linears
+
+
+class MaskedMethod(Method):
+    task_conditioned = True
+
+    def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
+        super().__init__(backbone, benchmark, config)
+        self.layers: dict[str, MaskedLinear] = wrap_linears(backbone, tuple(config.layers))
+        self.backbone.requires_grad_(False)
+
+    # ----------------------------------------------------------------------------- masks
+    def mask_for(self, name: str, task_id: int) -> torch.Tensor | None:
+        """The mask of layer ``name`` for ``task_id`` (``None``: the whole weight)."""
+        raise NotImplementedError
+
+    def stored_mask(self, name: str, task_id: int) -> torch.Tensor | None:
+        return getattr(self, f"mask_{task_id}_{buffer_name(name)}", None)
+
+    def store_mask(self, name: str, task_id: int, mask: torch.Tensor) -> None:
+        self.register_buffer(f"mask_{task_id}_{buffer_name(name)}", mask.detach().bool())
+
+    def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
+        if task_id is None:
+            raise ValueError(f"{type(self).__name__} needs a task id to pick its masks")
+        for name, layer in self.layers.items():
+            layer.mask = self.mask_for(name, task_id)
+        try:
+            return super().features(x, task_id)
+        finally:
+            for layer in self.layers.values():
+                layer.mask = None  # no reference to a graph outlives the forward pass
+
+    # ----------------------------------------------------------------------------- training
+    def param_groups(self, task: Task, phase: Any) -> list[dict[str, Any]]:
+        """The current task's head; subclasses add their mask scores or weights."""
+        self.backbone.requires_grad_(False)
+        for t, head in enumerate(self.heads):
+            head.requires_grad_(t == task.id)
+        return [{"params": list(self.heads[task.id].parameters())}]
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        """Cross-entropy of the task's own head over the task's classes (task-incremental training)."""
+        logits = self.heads[task.id](self.features(x, task.id))
+        return F.cross_entropy(logits, y - task.offset), {}
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def masked_weights(self) -> int:
+        return sum(layer.weight.numel() for layer in self.layers.values())
+
+    def mask_bits_per_task(self) -> int:
+        """Bits one task's binary masks take, packed: one per masked weight."""
+        return self.masked_weights()
+
+    def storage(self) -> dict[str, Any]:
+        out = super().storage()
+        for t, entry in enumerate(out["bits_per_task"]):
+            if any(self.stored_mask(name, t) is not None for name in self.layers):
+                entry["masks"] = self.mask_bits_per_task()
+        return out
+
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        """Heads and packed masks of every finished task (what re-evaluating the run needs besides the backbone)."""
+        out = super().artifacts()
+        for t in range(self.num_seen):
+            for name in self.layers:
+                mask = self.stored_mask(name, t)
+                if mask is not None:
+                    out[f"mask.{t}.{name}"] = pack_bits(mask)
+        return out

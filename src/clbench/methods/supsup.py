@@ -1,0 +1,145 @@
+"""SupSup (Wortsman et al., NeurIPS 2020): supermasks in superposition over fixed weights.
+
+Each task learns edge-popup scores per masked layer (kaiming-uniform init); the forward pass keeps the
+top ``density`` fraction of |scores| per layer (straight-through gradient) and uses W * mask. After the task
+the binary mask is stored (1 bit per weight); W never changes.
+
+- GG (task id given, TIL): the task's mask and head.
+- GN (no task id, CIL): the task is inferred per sample from the superposition W * sum_i alpha_i M_i with
+  alpha_i = 1/k: ``inference=one_shot`` picks argmin_i dH/dalpha_i (Eq. 4), ``inference=binary`` halves
+  the candidate tasks log2(k) times with the same gradient. H is the entropy of the softmax over all seen
+  classes (the concatenated per-task heads); each sample has its own alpha, so nothing depends on the batch.
+
+ViT adaptation (design choices): masks on ``attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``.
+``base_weights=signed_constant`` (the paper) replaces those weights by sign(w0) * sqrt(2 / fan_in) with
+w0 ~ N(0, 1) and zeroes their biases; ``pretrained`` keeps the backbone's weights (Piggyback with top-k).
+LayerNorms, embeddings and the patch embedding stay as the backbone has them and are frozen (the analogue
+of the paper's non-affine norms; a per-task LayerNorm is not used).
+``er_scale`` switches to the Erdos-Renyi budget: density = min(0.5, er_scale * (out + in) / (out * in)).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clbench.config import require, require_choice
+from clbench.data import Task
+from clbench.methods.base import Phase
+from clbench.methods.masked_method import MaskedMethod
+from clbench.methods.masking import DEFAULT_TARGETS, buffer_name, topk_mask
+
+
+@dataclass
+class SupSupConfig:
+    density: float = 0.5  # fraction of weights each task's mask keeps, per layer
+    er_scale: float | None = None  # Erdos-Renyi budget scale s (paper: 1..32); null: uniform density
+    base_weights: str = "signed_constant"  # signed_constant (paper) | pretrained
+    inference: str = "one_shot"  # task inference without task id: one_shot | binary
+    mask_lr: float | None = None  # learning rate of the scores (null: trainer.lr)
+    layers: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+
+    def __post_init__(self) -> None:
+        require(0 < self.density <= 1, "method.density", self.density, "a float in (0, 1]")
+        require(self.er_scale is None or self.er_scale > 0, "method.er_scale", self.er_scale, "null or > 0")
+        require_choice("method.base_weights", self.base_weights, ("signed_constant", "pretrained"))
+        require_choice("method.inference", self.inference, ("one_shot", "binary"))
+        require(self.mask_lr is None or self.mask_lr > 0, "method.mask_lr", self.mask_lr, "null or a float > 0")
+
+
+class SupSup(MaskedMethod):
+    Config = SupSupConfig
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.scores = nn.ParameterDict()
+        if self.config.base_weights == "signed_constant":
+            with torch.no_grad():
+                for layer in self.layers.values():
+                    sign = torch.randn_like(layer.weight).sign()
+                    layer.weight.copy_(sign * math.sqrt(2.0 / layer.in_features))
+                    if layer.bias is not None:
+                        layer.bias.zero_()
+
+    def density(self, layer: nn.Linear) -> float:
+        if self.config.er_scale is None:
+            return self.config.density
+        out_f, in_f = layer.weight.shape
+        return min(0.5, self.config.er_scale * (out_f + in_f) / (out_f * in_f))
+
+    def before_task(self, task: Task) -> None:
+        super().before_task(task)
+        for name, layer in self.layers.items():
+            scores = torch.empty_like(layer.weight)
+            nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
+            self.scores[buffer_name(name)] = nn.Parameter(scores)
+
+    def mask_for(self, name: str, task_id: int) -> torch.Tensor | None:
+        stored = self.stored_mask(name, task_id)
+        if stored is not None:
+            return stored
+        if task_id == self.num_seen - 1 and buffer_name(name) in self.scores:
+            return topk_mask(self.scores[buffer_name(name)], self.density(self.layers[name]))
+        return None
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        groups = super().param_groups(task, phase)
+        scores = {"params": list(self.scores.values()), "weight_decay": 0.0}
+        if self.config.mask_lr is not None:
+            scores["lr"] = self.config.mask_lr
+        return [*groups, scores]
+
+    @torch.no_grad()
+    def after_task(self, task: Task) -> None:
+        super().after_task(task)
+        for name, layer in self.layers.items():
+            self.store_mask(name, task.id, topk_mask(self.scores[buffer_name(name)], self.density(layer)))
+        self.scores.clear()
+
+    # ----------------------------------------------------------------------------- GN: task inference
+    def _entropy_grad(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """dH/dalpha per sample, H = entropy of the softmax over all seen classes under the superposition."""
+        alpha = alpha.detach().requires_grad_(True)
+        for name, layer in self.layers.items():
+            layer.superposed = torch.stack([self.mask_for(name, t) for t in range(self.num_seen)])
+            layer.alpha = alpha
+        try:
+            with torch.enable_grad():
+                feats = self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+                logp = F.log_softmax(self.seen_logits(feats).float(), dim=1)
+                entropy = -(logp.exp() * logp).sum()
+                (grad,) = torch.autograd.grad(entropy, alpha)
+        finally:
+            for layer in self.layers.values():
+                layer.superposed = layer.alpha = None
+        return grad
+
+    def infer_task(self, x: torch.Tensor) -> torch.Tensor:
+        """The inferred task of each sample (one-shot or binary search over the seen tasks' masks)."""
+        b, k = x.shape[0], self.num_seen
+        candidates = torch.ones(b, k, dtype=torch.bool, device=x.device)
+        while True:
+            alpha = candidates.float() / candidates.sum(1, keepdim=True)
+            grad = self._entropy_grad(x, alpha).masked_fill(~candidates, float("inf"))
+            n = int(candidates.sum(1).max())
+            if self.config.inference == "one_shot" or n <= 2:
+                return grad.argmin(1)
+            keep = grad.argsort(1)[:, : math.ceil(n / 2)]
+            candidates = torch.zeros_like(candidates).scatter_(1, keep, True) & candidates
+
+    @torch.no_grad()
+    def predict(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
+        """GG with a task id; GN without: infer each sample's task, then use that task's mask and head."""
+        if task_id is not None:
+            return self.task_logits(x, task_id)
+        tasks = self.infer_task(x) if self.num_seen > 1 else torch.zeros(len(x), dtype=torch.long, device=x.device)
+        out = x.new_full((len(x), sum(h.out_features for h in self.heads)), float("-inf"))
+        for t in tasks.unique().tolist():
+            rows, task = tasks == t, self.tasks[t]
+            out[rows, task.offset : task.offset + task.num_classes] = self.task_logits(x[rows], t).to(out.dtype)
+        return out

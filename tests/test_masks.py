@@ -1,0 +1,160 @@
+"""Weight-mask methods: the shared mechanism, PackNet/Piggyback/SupSup rules, and exact zero forgetting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clbench.methods.masking import MaskedLinear, pack_bits, threshold_mask, topk_mask, unpack_bits
+from clbench.run import build_runtime, run_task
+from conftest import tiny_config
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 5), (16, 9)])
+def test_pack_unpack_roundtrip(shape: tuple[int, ...]) -> None:
+    mask = torch.rand(shape) > 0.5
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-mask.numel() // 8)
+    assert torch.equal(unpack_bits(packed, shape), mask)
+
+
+def test_threshold_mask_forward_and_straight_through_gradient() -> None:
+    scores = torch.tensor([0.001, 0.005, 0.006, 0.02], requires_grad=True)
+    mask = threshold_mask(scores, 5e-3)
+    assert mask.tolist() == [0.0, 0.0, 1.0, 1.0]
+    upstream = torch.tensor([1.0, -2.0, 3.0, -4.0])
+    (mask * upstream).sum().backward()
+    assert torch.equal(scores.grad, upstream)  # identity, also where the mask is 0
+
+
+def test_topk_mask_keeps_exactly_the_density_and_passes_gradients() -> None:
+    scores = torch.randn(48, 37, requires_grad=True)
+    mask = topk_mask(scores, 0.3)
+    assert int(mask.sum()) == round(0.3 * 48 * 37)
+    assert mask[scores.abs() >= scores.abs().flatten().kthvalue(48 * 37 - round(0.3 * 48 * 37) + 1).values].all()
+    mask.sum().backward()
+    assert torch.equal(scores.grad, torch.ones_like(scores))
+
+
+def test_superposition_with_one_hot_alpha_equals_the_single_mask() -> None:
+    layer = MaskedLinear(torch.nn.Linear(6, 4))
+    masks = torch.rand(3, 4, 6) > 0.5
+    x = torch.randn(5, 2, 6)
+    layer.superposed, layer.alpha = masks, torch.eye(3)[[0, 2, 1, 1, 0]]
+    mixed = layer(x)
+    layer.superposed = layer.alpha = None
+    for b, t in enumerate([0, 2, 1, 1, 0]):
+        layer.mask = masks[t]
+        assert torch.allclose(mixed[b], layer(x[b : b + 1])[0], atol=1e-6)
+
+
+def test_packnet_prunes_exact_counts_per_layer_and_guards_its_states() -> None:
+    method, rt = build_runtime(tiny_config("method=packnet", "method.prune_ratio=0.6"))
+    task = rt.benchmark.tasks[0]
+    phases = method.phases(task, 1)
+    with pytest.raises(RuntimeError, match="cannot prune in state 'ready'"):
+        method.before_phase(task, phases[1])
+    method.before_task(task)
+    with pytest.raises(RuntimeError, match="cannot start a task in state 'train'"):
+        method.before_task(rt.benchmark.tasks[1])
+    freed = method.prune(task)
+    for name, layer in method.layers.items():
+        owner = method.owner(name)
+        assert freed[name] == round(0.6 * layer.weight.numel()) == int((owner == 0).sum())
+        assert (layer.weight[owner == 0] == 0).all()
+        kept = layer.weight[owner == 1].abs()
+        assert kept.min() >= layer.weight.new_zeros(()).abs()  # the pruned ones were the smallest
+    # the second task takes exactly the freed weights, and sees task 0's weights too
+    method.state = "retrain"
+    method.after_task(task)
+    method.before_task(rt.benchmark.tasks[1])
+    for name in method.layers:
+        owner = method.owner(name)
+        assert int((owner == 2).sum()) == freed[name] and int((owner == 0).sum()) == 0
+        assert torch.equal(method.mask_for(name, 0), owner == 1)
+
+
+def test_piggyback_starts_from_the_full_network() -> None:
+    method, rt = build_runtime(tiny_config("method=piggyback"))
+    x = rt.test_tf(rt.benchmark.test[0].x[:4])
+    reference = method.backbone.forward_head(method.backbone.forward_features(x), pre_logits=True)
+    method.before_task(rt.benchmark.tasks[0])
+    assert all(bool(method.mask_for(name, 0).all()) for name in method.layers)  # 1e-2 > 5e-3 everywhere
+    assert torch.equal(method.features(x, 0), reference)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("method=packnet", "method.retrain_epochs=1"),
+        ("method=packnet", "method.retrain_epochs=1", "trainer.optimizer=adamw", "trainer.weight_decay=0.1"),
+        ("method=piggyback", "trainer.lr=1e-2", "trainer.weight_decay=0.1", "trainer.optimizer=adamw"),
+        ("method=supsup", "trainer.lr=1e-2"),
+        ("method=supsup", "method.base_weights=pretrained", "method.er_scale=2"),
+    ],
+    ids=["packnet-sgd", "packnet-adamw-wd", "piggyback", "supsup", "supsup-pretrained-er"],
+)
+def test_old_tasks_are_bit_identical_after_later_tasks(overrides: tuple[str, ...]) -> None:
+    method, rt = build_runtime(tiny_config(*overrides, "trainer.epochs=2"))
+    tasks = rt.benchmark.tasks
+    inputs = [rt.test_tf(rt.benchmark.test[t.id].x) for t in tasks]
+    frozen = {k: v.clone() for k, v in method.backbone.state_dict().items()}
+    logits: list[torch.Tensor] = []
+    for task in tasks:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=2)
+        method.after_task(task)
+        method.eval()
+        logits.append(method.predict(inputs[task.id], task.id))
+        for old in range(task.id):
+            assert torch.equal(method.predict(inputs[old], old), logits[old]), f"task {old} moved after task {task.id}"
+        if "packnet" not in overrides[0]:  # Piggyback and SupSup never change the backbone
+            assert all(torch.equal(frozen[k], v) for k, v in method.backbone.state_dict().items())
+    storage = method.storage()
+    assert len(storage["bits_per_task"]) == len(tasks)
+    if "packnet" in overrides[0]:
+        assert storage["shared_bits"]["owner_index"] == 2 * method.masked_weights()  # ids 0..3 need 2 bits
+    else:
+        assert all(entry["masks"] == method.masked_weights() for entry in storage["bits_per_task"])
+
+
+def test_supsup_one_shot_and_binary_pick_the_steepest_entropy_descent(monkeypatch: pytest.MonkeyPatch) -> None:
+    method, rt = build_runtime(tiny_config("method=supsup"))
+    for task in rt.benchmark.tasks:  # three tasks with stored masks
+        method.before_task(task)
+        method.after_task(task)
+    # constructed dH/dalpha per sample: sample 0 -> task 2, sample 1 -> task 0, sample 2 -> task 1
+    grad = torch.tensor([[0.3, 0.1, -0.9], [-0.5, 0.2, 0.4], [0.0, -0.1, 0.05]])
+    seen_alpha = []
+
+    def constructed(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        seen_alpha.append(alpha.clone())
+        return grad.clone()
+
+    monkeypatch.setattr(method, "_entropy_grad", constructed)
+    x = torch.zeros(3, 3, 16, 16)
+    method.config.inference = "one_shot"
+    assert method.infer_task(x).tolist() == [2, 0, 1]
+    assert torch.allclose(seen_alpha[0], torch.full((3, 3), 1 / 3))  # alpha_i = 1/k (Eq. 2)
+    method.config.inference = "binary"
+    seen_alpha.clear()
+    assert method.infer_task(x).tolist() == [2, 0, 1]
+    # after one halving each sample keeps its two best candidates, renormalised
+    assert torch.allclose(seen_alpha[1], torch.tensor([[0.0, 0.5, 0.5], [0.5, 0.5, 0.0], [0.5, 0.5, 0.0]]))
+
+
+def test_supsup_infers_tasks_better_than_chance_on_a_trained_model() -> None:
+    method, rt = build_runtime(tiny_config("method=supsup", "trainer.lr=1e-2", "trainer.epochs=8"))
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=8)
+        method.after_task(task)
+    method.eval()
+    hits = []
+    for task in rt.benchmark.tasks:
+        x = rt.test_tf(rt.benchmark.test[task.id].x)
+        hits.append((method.infer_task(x) == task.id).float().mean().item())
+    assert sum(hits) / len(hits) > 1 / 3 + 0.1, hits  # chance is 1/3 with three tasks
+    # the class-incremental prediction is the inferred task's own head, -inf elsewhere
+    logits = method.predict(rt.test_tf(rt.benchmark.test[1].x[:3]), None)
+    assert logits.shape == (3, 6) and torch.isinf(logits).sum(1).eq(4).all()
