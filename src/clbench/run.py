@@ -225,8 +225,7 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "seed": cfg.seed,
         "class_order_seed": cfg.data.class_order_seed,
         "method_config": as_dict(cfg.method),
-        "backbone_config": {k: v for k, v in as_dict(cfg.backbone).items() if k != "kwargs"}
-        | {"kwargs": dict(cfg.backbone.kwargs)},
+        "backbone_config": as_dict(cfg.backbone),
     }
 
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
+from torch import nn
 
 from clbench.data import Benchmark, Task
 from clbench.methods.base import Logs, Method
@@ -86,3 +87,46 @@ class MaskedMethod(Method):
                 if mask is not None:
                     out[f"mask.{t}.{name}"] = pack_bits(mask)
         return out
+
+
+class ScoredMaskMethod(MaskedMethod):
+    """Masks learned as real-valued scores per weight, binarised with a straight-through gradient
+    (Piggyback: threshold; SupSup: top-k). The current task's scores train; at the end of the task the
+    binary mask is stored and the scores are dropped. The backbone never changes."""
+
+    def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
+        super().__init__(backbone, benchmark, config)
+        self.scores = nn.ParameterDict()  # the current task's scores, one tensor per masked layer
+
+    def init_scores(self, layer: MaskedLinear) -> torch.Tensor:
+        raise NotImplementedError
+
+    def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        """The binary mask of ``scores`` with a straight-through gradient."""
+        raise NotImplementedError
+
+    def before_task(self, task: Task) -> None:
+        super().before_task(task)
+        for name, layer in self.layers.items():
+            self.scores[buffer_name(name)] = nn.Parameter(self.init_scores(layer))
+
+    def mask_for(self, name: str, task_id: int) -> torch.Tensor | None:
+        stored = self.stored_mask(name, task_id)
+        if stored is not None:
+            return stored
+        if task_id == self.num_seen - 1 and buffer_name(name) in self.scores:
+            return self.binarize(name, self.scores[buffer_name(name)])
+        return None  # a task not started yet: the whole weight
+
+    def param_groups(self, task: Task, phase: Any) -> list[dict[str, Any]]:
+        scores: dict[str, Any] = {"params": list(self.scores.values()), "weight_decay": 0.0}
+        if self.config.mask_lr is not None:
+            scores["lr"] = self.config.mask_lr
+        return [*super().param_groups(task, phase), scores]
+
+    @torch.no_grad()
+    def after_task(self, task: Task) -> None:
+        super().after_task(task)
+        for name in self.layers:
+            self.store_mask(name, task.id, self.binarize(name, self.scores[buffer_name(name)]))
+        self.scores.clear()

@@ -13,16 +13,14 @@ and classifier, 30 epochs, batch 32.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.data import Task
-from clbench.methods.base import Logs, Phase
-from clbench.methods.masked_method import MaskedMethod
-from clbench.methods.masking import DEFAULT_TARGETS, buffer_name, threshold_mask
+from clbench.methods.base import Logs
+from clbench.methods.masked_method import ScoredMaskMethod
+from clbench.methods.masking import DEFAULT_TARGETS, MaskedLinear, threshold_mask
 
 
 @dataclass
@@ -39,46 +37,18 @@ class PiggybackConfig:
         require(self.mask_lr is None or self.mask_lr > 0, "method.mask_lr", self.mask_lr, "null or a float > 0")
 
 
-class Piggyback(MaskedMethod):
+class Piggyback(ScoredMaskMethod):
     Config = PiggybackConfig
 
-    def __init__(self, *args: Any) -> None:
-        super().__init__(*args)
-        self.scores = nn.ParameterDict()  # the current task's real-valued masks
+    def init_scores(self, layer: MaskedLinear) -> torch.Tensor:
+        if self.config.mask_init == "ones":
+            return torch.full_like(layer.weight, self.config.init_scale)
+        return torch.empty_like(layer.weight).uniform_(-self.config.init_scale, self.config.init_scale)
 
-    def before_task(self, task: Task) -> None:
-        super().before_task(task)
-        cfg = self.config
-        for name, layer in self.layers.items():
-            if cfg.mask_init == "ones":
-                init = torch.full_like(layer.weight, cfg.init_scale)
-            else:
-                init = torch.empty_like(layer.weight).uniform_(-cfg.init_scale, cfg.init_scale)
-            self.scores[buffer_name(name)] = nn.Parameter(init)
-
-    def mask_for(self, name: str, task_id: int) -> torch.Tensor | None:
-        stored = self.stored_mask(name, task_id)
-        if stored is not None:
-            return stored
-        if task_id == self.num_seen - 1 and buffer_name(name) in self.scores:
-            return threshold_mask(self.scores[buffer_name(name)], self.config.threshold)
-        return None
-
-    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        groups = super().param_groups(task, phase)
-        scores = {"params": list(self.scores.values()), "weight_decay": 0.0}
-        if self.config.mask_lr is not None:
-            scores["lr"] = self.config.mask_lr
-        return [*groups, scores]
+    def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        return threshold_mask(scores, self.config.threshold)
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         loss, _ = super().training_loss(x, y, task)
         kept = torch.stack([(s > self.config.threshold).float().mean() for s in self.scores.values()]).mean()
         return loss, {"mask_density": kept}
-
-    @torch.no_grad()
-    def after_task(self, task: Task) -> None:
-        super().after_task(task)
-        for name in self.layers:
-            self.store_mask(name, task.id, self.scores[buffer_name(name)] > self.config.threshold)
-        self.scores.clear()

@@ -29,10 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from clbench.config import require, require_choice
-from clbench.data import Task
-from clbench.methods.base import Phase
-from clbench.methods.masked_method import MaskedMethod
-from clbench.methods.masking import DEFAULT_TARGETS, buffer_name, topk_mask
+from clbench.methods.masked_method import ScoredMaskMethod
+from clbench.methods.masking import DEFAULT_TARGETS, MaskedLinear, topk_mask
 
 
 @dataclass
@@ -52,12 +50,11 @@ class SupSupConfig:
         require(self.mask_lr is None or self.mask_lr > 0, "method.mask_lr", self.mask_lr, "null or a float > 0")
 
 
-class SupSup(MaskedMethod):
+class SupSup(ScoredMaskMethod):
     Config = SupSupConfig
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        self.scores = nn.ParameterDict()
         if self.config.base_weights == "signed_constant":
             with torch.no_grad():
                 for layer in self.layers.values():
@@ -72,34 +69,13 @@ class SupSup(MaskedMethod):
         out_f, in_f = layer.weight.shape
         return min(0.5, self.config.er_scale * (out_f + in_f) / (out_f * in_f))
 
-    def before_task(self, task: Task) -> None:
-        super().before_task(task)
-        for name, layer in self.layers.items():
-            scores = torch.empty_like(layer.weight)
-            nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
-            self.scores[buffer_name(name)] = nn.Parameter(scores)
+    def init_scores(self, layer: MaskedLinear) -> torch.Tensor:
+        scores = torch.empty_like(layer.weight)
+        nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
+        return scores
 
-    def mask_for(self, name: str, task_id: int) -> torch.Tensor | None:
-        stored = self.stored_mask(name, task_id)
-        if stored is not None:
-            return stored
-        if task_id == self.num_seen - 1 and buffer_name(name) in self.scores:
-            return topk_mask(self.scores[buffer_name(name)], self.density(self.layers[name]))
-        return None
-
-    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        groups = super().param_groups(task, phase)
-        scores = {"params": list(self.scores.values()), "weight_decay": 0.0}
-        if self.config.mask_lr is not None:
-            scores["lr"] = self.config.mask_lr
-        return [*groups, scores]
-
-    @torch.no_grad()
-    def after_task(self, task: Task) -> None:
-        super().after_task(task)
-        for name, layer in self.layers.items():
-            self.store_mask(name, task.id, topk_mask(self.scores[buffer_name(name)], self.density(layer)))
-        self.scores.clear()
+    def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        return topk_mask(scores, self.density(self.layers[name]))
 
     # ----------------------------------------------------------------------------- GN: task inference
     def _entropy_grad(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
