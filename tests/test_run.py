@@ -89,12 +89,10 @@ def test_a_failing_run_records_the_failure_and_keeps_finished_tasks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real_evaluate = run_module.Runtime.evaluate
-    calls = {"n": 0}
 
     def evaluate_then_fail(self, method, task_ids, scenarios=("til", "cil")):
         if len(task_ids) == 2 and scenarios == ("til", "cil"):  # after task 1
             raise RuntimeError("disk on fire")
-        calls["n"] += 1
         return real_evaluate(self, method, task_ids, scenarios)
 
     monkeypatch.setattr(run_module.Runtime, "evaluate", evaluate_then_fail)

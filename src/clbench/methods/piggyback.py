@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 import torch
 
 from clbench.config import require, require_choice
-from clbench.data import Task
-from clbench.methods.base import Logs
 from clbench.methods.masked_method import ScoredMaskMethod
 from clbench.methods.masking import DEFAULT_TARGETS, MaskedLinear, threshold_mask
 
@@ -47,8 +45,3 @@ class Piggyback(ScoredMaskMethod):
 
     def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:
         return threshold_mask(scores, self.config.threshold)
-
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        loss, _ = super().training_loss(x, y, task)
-        kept = torch.stack([(s > self.config.threshold).float().mean() for s in self.scores.values()]).mean()
-        return loss, {"mask_density": kept}
