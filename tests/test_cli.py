@@ -75,3 +75,24 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
         "trainer.device=auto|cpu|cuda",
     ):
         assert text in out.stdout, text
+
+
+def test_clbench_eval_reproduces_a_saved_run(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = clbench(
+        *TINY, "data.num_tasks=2", "trainer.epochs=1", "method=piggyback", f"hydra.run.dir={run_dir}", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    again = subprocess.run(  # noqa: PLW1510
+        [sys.executable, "-m", "clbench.reevaluate", str(run_dir), "--json"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    saved = json.loads((run_dir / "results.json").read_text())["acc_matrix"]
+    assert json.loads(again.stdout) == {s: saved[s][-1] for s in ("til", "cil")}
+    missing = subprocess.run(  # noqa: PLW1510
+        [sys.executable, "-m", "clbench.reevaluate", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert missing.returncode == 2 and "not a clbench run folder" in missing.stderr

@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from clbench.methods.masking import MaskedLinear, pack_bits, threshold_mask, topk_mask, unpack_bits
+from clbench.errors import ConfigError
+from clbench.methods.masking import (
+    MaskedConv2d,
+    MaskedLayer,
+    MaskedLinear,
+    pack_bits,
+    threshold_mask,
+    topk_mask,
+    unpack_bits,
+    wrap_layers,
+)
 from clbench.run import build_runtime, run_task
 from conftest import tiny_config
 
@@ -36,16 +46,43 @@ def test_topk_mask_keeps_exactly_the_density_and_passes_gradients() -> None:
     assert torch.equal(scores.grad, torch.ones_like(scores))
 
 
-def test_superposition_with_one_hot_alpha_equals_the_single_mask() -> None:
-    layer = MaskedLinear(torch.nn.Linear(6, 4))
-    masks = torch.rand(3, 4, 6) > 0.5
-    x = torch.randn(5, 2, 6)
+@pytest.mark.parametrize(
+    ("layer", "x"),
+    [
+        (MaskedLinear(torch.nn.Linear(6, 4)), torch.randn(5, 2, 6)),
+        (MaskedConv2d(torch.nn.Conv2d(3, 4, kernel_size=2, stride=2)), torch.randn(5, 3, 4, 4)),
+    ],
+    ids=["linear", "conv2d"],
+)
+def test_superposition_with_one_hot_alpha_equals_the_single_mask(layer: MaskedLayer, x: torch.Tensor) -> None:
+    masks = torch.rand(3, *layer.weight.shape) > 0.5
     layer.superposed, layer.alpha = masks, torch.eye(3)[[0, 2, 1, 1, 0]]
     mixed = layer(x)
     layer.superposed = layer.alpha = None
     for b, t in enumerate([0, 2, 1, 1, 0]):
         layer.mask = masks[t]
         assert torch.allclose(mixed[b], layer(x[b : b + 1])[0], atol=1e-6)
+
+
+def test_masked_layers_share_the_original_parameters_and_mask_the_weight() -> None:
+    model = torch.nn.Sequential()
+    model.add_module("patch_embed", torch.nn.Sequential())
+    model.patch_embed.add_module("proj", torch.nn.Conv2d(3, 4, kernel_size=2, stride=2))
+    model.add_module("fc1", torch.nn.Linear(16, 2))
+    conv_weight = model.patch_embed.proj.weight
+    wrapped = wrap_layers(model, ("patch_embed.proj", "fc1"))
+    assert isinstance(model.patch_embed.proj, MaskedConv2d) and model.patch_embed.proj.weight is conv_weight
+    x = torch.randn(2, 3, 4, 4)
+    layer = wrapped["patch_embed.proj"]
+    layer.mask = torch.zeros_like(layer.weight, dtype=torch.bool)
+    assert torch.allclose(layer(x), layer.bias[:, None, None].expand(2, 4, 2, 2))
+    with pytest.raises(ValueError, match=r"\['mlp.fc9'\]"):
+        wrap_layers(torch.nn.Sequential(torch.nn.Linear(2, 2)), ("mlp.fc9",))
+
+
+def test_an_unknown_masked_layer_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"method\.layers.*mlp\.fc9"):
+        build_runtime(tiny_config("method=piggyback", "method.layers=[attn.qkv,mlp.fc9]"))
 
 
 def test_packnet_prunes_exact_counts_per_layer_and_guards_its_states() -> None:
@@ -92,8 +129,18 @@ def test_piggyback_starts_from_the_full_network() -> None:
         ("method=piggyback", "trainer.lr=1e-2", "trainer.weight_decay=0.1", "trainer.optimizer=adamw"),
         ("method=supsup", "trainer.lr=1e-2"),
         ("method=supsup", "method.base_weights=pretrained", "method.er_scale=2"),
+        ("method=supsup", "trainer.lr=1e-2", "method.layers=[patch_embed.proj,mlp.fc1]"),
+        ("method=packnet", "method.retrain_epochs=1", "method.layers=[patch_embed.proj,attn.qkv]"),
     ],
-    ids=["packnet-sgd", "packnet-adamw-wd", "piggyback", "supsup", "supsup-pretrained-er"],
+    ids=[
+        "packnet-sgd",
+        "packnet-adamw-wd",
+        "piggyback",
+        "supsup",
+        "supsup-pretrained-er",
+        "supsup-conv",
+        "packnet-conv",
+    ],
 )
 def test_old_tasks_are_bit_identical_after_later_tasks(overrides: tuple[str, ...]) -> None:
     method, rt = build_runtime(tiny_config(*overrides, "trainer.epochs=2"))

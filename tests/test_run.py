@@ -7,10 +7,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from clbench import run as run_module
+from clbench.config import validate
+from clbench.errors import DataError
+from clbench.reevaluate import reevaluate
 from clbench.run import build_runtime, lr_factor, run_task, train
-from conftest import tiny_config
+from conftest import TINY, compose_config, tiny_config
 
 TASKS = 3
 
@@ -134,3 +138,25 @@ def test_heatmap_renders_negative_forgetting() -> None:
     results.add_stage({"til": [70.0, 90.0], "cil": [60.0, 90.0]})  # task 0 improved: forgetting -20
     assert results.forgetting_rows("til")[1][0] == -20.0
     assert heatmap_png(results, "til")[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat"])
+def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, method: str) -> None:
+    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
+    overrides = (*TINY, f"method={method}", "trainer.epochs=1", *extra)
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_config(*overrides), tmp_path / ".hydra" / "config.yaml")
+    train(validate(compose_config(*overrides)), tmp_path, {})
+    saved = json.loads((tmp_path / "results.json").read_text())["acc_matrix"]
+    again = reevaluate(tmp_path)
+    assert again == {s: saved[s][-1] for s in ("til", "cil")}
+
+
+def test_reevaluating_a_corrupt_or_foreign_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(DataError, match="not a clbench run folder"):
+        reevaluate(tmp_path)
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(compose_config(*TINY), tmp_path / ".hydra" / "config.yaml")
+    (tmp_path / "method_artifacts.safetensors").write_bytes(b"\x00" * 20)
+    with pytest.raises(DataError, match="corrupt"):
+        reevaluate(tmp_path)

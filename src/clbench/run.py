@@ -155,7 +155,8 @@ def run_task(
         bar = progress.add_task(f"task {task.id} {phase.name}", total=total) if progress else None
         running = torch.zeros((), device=rt.device)
         for _ in range(phase.epochs):
-            for x_raw, y in split.batches(cfg.batch_size, shuffle=True):
+            for batch, (x_raw, y) in enumerate(split.batches(cfg.batch_size, shuffle=True)):
+                method.before_step(task, batch, per_epoch)
                 x = rt.train_tf(x_raw)
                 with rt.autocast:
                     loss, logs = method.training_loss(x, y, task)

@@ -1,8 +1,8 @@
 """The method contract: what the one training loop calls, in order, for every task.
 
 For each task the loop calls ``before_task`` -> for each of ``phases``: ``before_phase``, an optimizer over
-``param_groups``, steps of ``training_loss`` / backward / ``after_backward`` / optimizer step /
-``after_step`` -> ``after_task``; then it evaluates with ``predict``. A method owns its parameters, heads
+``param_groups``, steps of ``before_step`` / ``training_loss`` / backward / ``after_backward`` / optimizer
+step / ``after_step`` -> ``after_task``; then it evaluates with ``predict``. A method owns its parameters, heads
 and masks; the loop owns devices, precision, optimizers, schedules, evaluation and logging.
 
 Heads: one Linear per task (``heads[t]`` over task ``t``'s classes). Concatenated they form the growing
@@ -43,6 +43,7 @@ class Method(nn.Module):
 
     Config: ClassVar[type]
     task_conditioned: ClassVar[bool] = False
+    changes_backbone: ClassVar[bool] = True  # its backbone weights are saved with the run (artifacts)
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()
@@ -61,8 +62,12 @@ class Method(nn.Module):
         """Add the task's head; subclasses extend this to create per-task state."""
         if task.id != self.num_seen:
             raise RuntimeError(f"tasks must come in order: expected task {self.num_seen}, got {task.id}")
-        device = self.backbone.cls_token.device
-        self.heads.append(nn.Linear(self.backbone.num_features, task.num_classes, device=device))
+        self.add_head(task.num_classes)
+
+    def add_head(self, num_classes: int) -> nn.Linear:
+        head = nn.Linear(self.backbone.num_features, num_classes, device=self.backbone.cls_token.device)
+        self.heads.append(head)
+        return head
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
         return [Phase("train", epochs)]
@@ -77,6 +82,9 @@ class Method(nn.Module):
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
         """Optimizer groups; a group may carry its own ``lr`` and ``weight_decay``."""
         raise NotImplementedError
+
+    def before_step(self, task: Task, batch: int, num_batches: int) -> None:
+        """Called before each training step with the batch's index within its epoch (HAT's annealing)."""
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         """Loss on a batch of ``task`` (``y`` holds global labels) and device-side scalars to log."""
@@ -132,11 +140,27 @@ class Method(nn.Module):
         }
 
     def artifacts(self) -> dict[str, torch.Tensor]:
-        """Tensors saved with the run after every task (method_artifacts.safetensors): the heads, plus
-        whatever a method needs to evaluate its tasks again (masks, owner indices)."""
-        return {
-            f"head.{t}.{k}": v.detach().clone() for t, h in enumerate(self.heads) for k, v in h.state_dict().items()
-        }
+        """Tensors saved with the run after every task (method_artifacts.safetensors): what evaluating the
+        finished tasks again needs besides the config: the heads, the backbone if the method changes it,
+        and the method's per-task state (masks, owner indices). :meth:`load_artifacts` is the inverse."""
+        out = {f"head.{t}.{k}": v for t, h in enumerate(self.heads) for k, v in h.state_dict().items()}
+        if self.changes_backbone:
+            out |= {f"backbone.{k}": v for k, v in self.backbone.state_dict().items()}
+        return {k: v.detach().clone() for k, v in out.items()}
+
+    @torch.no_grad()
+    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore the finished tasks of a run into this freshly built method (same config and seed)."""
+        if self.num_seen:
+            raise RuntimeError("load_artifacts expects a method that has not seen any task")
+        num_heads = len({k.split(".")[1] for k in tensors if k.startswith("head.")})
+        for t in range(num_heads):
+            self.add_head(tensors[f"head.{t}.weight"].shape[0]).load_state_dict(
+                {k: tensors[f"head.{t}.{k}"] for k in ("weight", "bias")}
+            )
+        if self.changes_backbone:
+            saved = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}
+            self.backbone.load_state_dict(saved)
 
     def extra_results(self) -> dict[str, Any]:
         """Method-specific entries for results.json (e.g. L2P's prompt histogram)."""

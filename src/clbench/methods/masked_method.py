@@ -16,16 +16,21 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from clbench.data import Benchmark, Task
+from clbench.errors import ConfigError
 from clbench.methods.base import Logs, Method
-from clbench.methods.masking import MaskedLinear, buffer_name, pack_bits, wrap_linears
+from clbench.methods.masking import MASKABLE, MaskedLayer, buffer_name, pack_bits, unpack_bits, wrap_layers
 
 
 class MaskedMethod(Method):
     task_conditioned = True
+    changes_backbone = False
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__(backbone, benchmark, config)
-        self.layers: dict[str, MaskedLinear] = wrap_linears(backbone, tuple(config.layers))
+        try:
+            self.layers: dict[str, MaskedLayer] = wrap_layers(backbone, tuple(config.layers))
+        except ValueError as err:
+            raise ConfigError(f"Invalid value for `method.layers`: {err}. Allowed: {list(MASKABLE)}.") from None
         self.backbone.requires_grad_(False)
 
     # ----------------------------------------------------------------------------- masks
@@ -88,6 +93,14 @@ class MaskedMethod(Method):
                     out[f"mask.{t}.{name}"] = pack_bits(mask)
         return out
 
+    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_artifacts(tensors)
+        for t in range(self.num_seen):
+            for name, layer in self.layers.items():
+                packed = tensors.get(f"mask.{t}.{name}")
+                if packed is not None:
+                    self.store_mask(name, t, unpack_bits(packed.to(layer.weight.device), layer.weight.shape))
+
 
 class ScoredMaskMethod(MaskedMethod):
     """Masks learned as real-valued scores per weight, binarised with a straight-through gradient
@@ -98,7 +111,7 @@ class ScoredMaskMethod(MaskedMethod):
         super().__init__(backbone, benchmark, config)
         self.scores = nn.ParameterDict()  # the current task's scores, one tensor per masked layer
 
-    def init_scores(self, layer: MaskedLinear) -> torch.Tensor:
+    def init_scores(self, layer: MaskedLayer) -> torch.Tensor:
         raise NotImplementedError
 
     def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:

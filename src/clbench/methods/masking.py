@@ -1,8 +1,9 @@
-"""The masked-Linear mechanism shared by every weight-mask method (PackNet, Piggyback, SupSup, MEAT's FFN masks).
+"""The masked-weight mechanism shared by every weight-mask method (PackNet, Piggyback, SupSup, MEAT's FFN masks).
 
-:func:`wrap_linears` swaps the chosen ``nn.Linear`` layers of a timm ViT (``attn.qkv``, ``attn.proj``,
-``mlp.fc1``, ``mlp.fc2`` by default) for :class:`MaskedLinear`, which computes ``F.linear(x, W * m, b)``
-with ``m`` set by the method before each forward (one tensor per layer: no Python work per weight).
+:func:`wrap_layers` swaps the chosen layers of a timm ViT (``attn.qkv``, ``attn.proj``, ``mlp.fc1``,
+``mlp.fc2`` by default; optionally the patch embedding's ``patch_embed.proj`` Conv2d) for
+:class:`MaskedLinear` / :class:`MaskedConv2d`, which compute the layer with ``W * m`` instead of ``W``, with
+``m`` set by the method before each forward (one tensor per layer: no Python work per weight).
 A mask may carry gradients (straight-through scores) or be a stored binary mask.
 
 Binary masks are stored packed, 8 weights per byte (:func:`pack_bits` / :func:`unpack_bits`).
@@ -15,45 +16,105 @@ import torch.nn.functional as F
 from torch import nn
 
 DEFAULT_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
+MASKABLE = (*DEFAULT_TARGETS, "patch_embed.proj")
 
 
-class MaskedLinear(nn.Linear):
-    """An ``nn.Linear`` whose weight is multiplied by ``self.mask`` (when set) in the forward pass.
+class MaskedLayer(nn.Module):
+    """Mixin for a weight layer whose weight is multiplied by ``self.mask`` (when set) in the forward pass.
 
-    ``superposed`` (shape (T, out, in)) with ``alpha`` (shape (B, T)) computes, per sample b,
-    ``sum_t alpha[b, t] * F.linear(x_b, W * superposed[t])`` (SupSup's superposition of masks, with
+    ``superposed`` (shape (T, *weight.shape)) with ``alpha`` (shape (B, T)) computes, per sample b,
+    ``sum_t alpha[b, t] * layer(x_b; W * superposed[t]) + bias`` (SupSup's superposition of masks, with
     per-sample coefficients so that no sample's prediction depends on another's).
     """
 
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None)
-        self.weight = linear.weight
-        self.bias = linear.bias
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+
+    def _init_masks(self) -> None:
         self.mask: torch.Tensor | None = None
         self.superposed: torch.Tensor | None = None
         self.alpha: torch.Tensor | None = None
 
+    @property
+    def fan_in(self) -> int:
+        return self.weight[0].numel()
+
+    def apply_weight(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The layer's own operation with the given (masked) weight."""
+        raise NotImplementedError
+
+    def bias_view(self, bias: torch.Tensor) -> torch.Tensor:
+        """``bias`` shaped to broadcast over the layer's output."""
+        return bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.superposed is not None and self.alpha is not None:
-            outs = torch.stack([F.linear(x, self.weight * m.to(self.weight.dtype)) for m in self.superposed], dim=1)
+            w = self.weight
+            outs = torch.stack([self.apply_weight(x, w * m.to(w.dtype), None) for m in self.superposed], dim=1)
             alpha = self.alpha.to(outs.dtype).view(*self.alpha.shape, *([1] * (outs.dim() - 2)))
             out = (alpha * outs).sum(1)
-            return out if self.bias is None else out + self.bias
+            return out if self.bias is None else out + self.bias_view(self.bias)
         weight = self.weight if self.mask is None else self.weight * self.mask.to(self.weight.dtype)
-        return F.linear(x, weight, self.bias)
+        return self.apply_weight(x, weight, self.bias)
 
 
-def wrap_linears(model: nn.Module, targets: tuple[str, ...] = DEFAULT_TARGETS) -> dict[str, MaskedLinear]:
-    """Replace every Linear whose qualified name ends in one of ``targets``; returns them by name."""
-    wrapped: dict[str, MaskedLinear] = {}
+class MaskedLinear(MaskedLayer, nn.Linear):
+    """An ``nn.Linear`` (sharing the original's parameters) with a weight mask."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        nn.Linear.__init__(self, linear.in_features, linear.out_features, bias=linear.bias is not None)
+        self.weight, self.bias = linear.weight, linear.bias
+        self._init_masks()
+
+    def apply_weight(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+
+class MaskedConv2d(MaskedLayer, nn.Conv2d):
+    """An ``nn.Conv2d`` (sharing the original's parameters) with a weight mask: the ViT's patch embedding."""
+
+    def __init__(self, conv: nn.Conv2d) -> None:
+        nn.Conv2d.__init__(
+            self,
+            conv.in_channels,
+            conv.out_channels,
+            conv.kernel_size,  # type: ignore[arg-type]
+            stride=conv.stride,  # type: ignore[arg-type]
+            padding=conv.padding,  # type: ignore[arg-type]
+            dilation=conv.dilation,  # type: ignore[arg-type]
+            groups=conv.groups,
+            bias=conv.bias is not None,
+            padding_mode=conv.padding_mode,
+        )
+        self.weight, self.bias = conv.weight, conv.bias
+        self._init_masks()
+
+    def apply_weight(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return self._conv_forward(x, weight, bias)
+
+    def bias_view(self, bias: torch.Tensor) -> torch.Tensor:
+        return bias[:, None, None]
+
+
+def wrap_layers(model: nn.Module, targets: tuple[str, ...] = DEFAULT_TARGETS) -> dict[str, MaskedLayer]:
+    """Replace every Linear (or Conv2d: ``patch_embed.proj``) whose qualified name ends in one of ``targets``
+    by its masked version; returns them by name."""
+    wrapped: dict[str, MaskedLayer] = {}
     for name, module in list(model.named_modules()):
-        if isinstance(module, nn.Linear) and not isinstance(module, MaskedLinear) and name.endswith(targets):
-            parent_name, _, child = name.rpartition(".")
-            layer = MaskedLinear(module)
-            setattr(model.get_submodule(parent_name), child, layer)
-            wrapped[name] = layer
-    if not wrapped:
-        raise ValueError(f"no Linear layer matches {targets}")
+        if isinstance(module, MaskedLayer) or not name.endswith(targets):
+            continue
+        if isinstance(module, nn.Linear):
+            layer: MaskedLayer = MaskedLinear(module)
+        elif isinstance(module, nn.Conv2d):
+            layer = MaskedConv2d(module)
+        else:
+            continue
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+        wrapped[name] = layer
+    unmatched = [t for t in targets if not any(name.endswith(t) for name in wrapped)]
+    if unmatched:
+        raise ValueError(f"no Linear or Conv2d layer of the backbone matches {unmatched}")
     return wrapped
 
 

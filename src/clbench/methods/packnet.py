@@ -4,10 +4,11 @@ Every masked weight has an owner index (uint8; 0 = free, k = task k-1). Task k t
 trains only them (gradients of other weights are zeroed), then the fraction ``prune_ratio`` of its weights
 with the smallest magnitude is freed (set to 0) in every layer and the rest is retrained; its weights are
 then frozen. Task k is evaluated with the weights owned by tasks <= k. Biases, LayerNorms, embeddings and
-the patch embedding are trained with the first task and frozen afterwards.
+the patch embedding (unless ``patch_embed.proj`` is in ``layers``, which packs it too) are trained with the
+first task and frozen afterwards.
 
 ViT adaptation (a design choice; the paper used VGG/ResNet): masked layers are ``attn.qkv``, ``attn.proj``,
-``mlp.fc1`` and ``mlp.fc2`` of every block. The pretrained weights initialise the first task, which is
+``mlp.fc1`` and ``mlp.fc2`` of every block (``layers``). The pretrained weights initialise the first task, which is
 pruned like every other (the paper's separate ImageNet pruning step is not repeated).
 Frozen weights stay bit-identical whatever the optimizer: their gradients are zeroed before each step and
 masked weights get no weight decay, so momentum and Adam moments stay zero for them.
@@ -43,7 +44,7 @@ class PackNet(MaskedMethod):
     -(after_task)-> ready. Any other order raises."""
 
     Config = PackNetConfig
-    task_conditioned = True
+    changes_backbone = True
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
@@ -131,8 +132,10 @@ class PackNet(MaskedMethod):
         return out
 
     def artifacts(self) -> dict[str, torch.Tensor]:
-        out = super().artifacts()
-        for name, layer in self.layers.items():
-            out[f"owner.{name}"] = self.owner(name).clone()
-            out[f"weight.{name}"] = layer.weight.detach().clone()
-        return out
+        return super().artifacts() | {f"owner.{name}": self.owner(name).clone() for name in self.layers}
+
+    @torch.no_grad()
+    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_artifacts(tensors)
+        for name in self.layers:
+            self.owner(name).copy_(tensors[f"owner.{name}"])

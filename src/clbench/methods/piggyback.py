@@ -6,7 +6,8 @@ through a straight-through estimator. After the task the binary mask is stored (
 the scores are dropped. The backbone (weights, biases, LayerNorms, embeddings) never changes.
 
 ViT adaptation: masks on ``attn.qkv``, ``attn.proj``, ``mlp.fc1`` and ``mlp.fc2`` of every block, exactly the
-"Piggyback" baseline of MEAT's Table 1 (masks on all block weights). Paper recipe: Adam, lr 1e-4 for masks
+"Piggyback" baseline of MEAT's Table 1 (masks on all block weights); add ``patch_embed.proj`` to ``layers``
+to mask the patch embedding as well. Paper recipe: Adam, lr 1e-4 for masks
 and classifier, 30 epochs, batch 32.
 """
 
@@ -18,7 +19,7 @@ import torch
 
 from clbench.config import require, require_choice
 from clbench.methods.masked_method import ScoredMaskMethod
-from clbench.methods.masking import DEFAULT_TARGETS, MaskedLinear, threshold_mask
+from clbench.methods.masking import DEFAULT_TARGETS, MaskedLayer, threshold_mask
 
 
 @dataclass
@@ -38,7 +39,7 @@ class PiggybackConfig:
 class Piggyback(ScoredMaskMethod):
     Config = PiggybackConfig
 
-    def init_scores(self, layer: MaskedLinear) -> torch.Tensor:
+    def init_scores(self, layer: MaskedLayer) -> torch.Tensor:
         if self.config.mask_init == "ones":
             return torch.full_like(layer.weight, self.config.init_scale)
         return torch.empty_like(layer.weight).uniform_(-self.config.init_scale, self.config.init_scale)

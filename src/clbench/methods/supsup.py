@@ -11,11 +11,13 @@ the binary mask is stored (1 bit per weight); W never changes.
   classes (the concatenated per-task heads); each sample has its own alpha, so nothing depends on the batch.
 
 ViT adaptation (design choices): masks on ``attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``.
+Add ``patch_embed.proj`` to ``layers`` to mask the patch embedding too.
 ``base_weights=signed_constant`` (the paper) replaces those weights by sign(w0) * sqrt(2 / fan_in) with
 w0 ~ N(0, 1) and zeroes their biases; ``pretrained`` keeps the backbone's weights (Piggyback with top-k).
 LayerNorms, embeddings and the patch embedding stay as the backbone has them and are frozen (the analogue
 of the paper's non-affine norms; a per-task LayerNorm is not used).
-``er_scale`` switches to the Erdos-Renyi budget: density = min(0.5, er_scale * (out + in) / (out * in)).
+``er_scale`` switches to the Erdos-Renyi budget: density = min(0.5, er_scale * (out + in) / (out * in)), with
+``in`` the fan-in (in_channels * kernel area for the optional ``patch_embed.proj``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.methods.masked_method import ScoredMaskMethod
-from clbench.methods.masking import DEFAULT_TARGETS, MaskedLinear, topk_mask
+from clbench.methods.masking import DEFAULT_TARGETS, MaskedLayer, topk_mask
 
 
 @dataclass
@@ -59,17 +61,17 @@ class SupSup(ScoredMaskMethod):
             with torch.no_grad():
                 for layer in self.layers.values():
                     sign = torch.randn_like(layer.weight).sign()
-                    layer.weight.copy_(sign * math.sqrt(2.0 / layer.in_features))
+                    layer.weight.copy_(sign * math.sqrt(2.0 / layer.fan_in))
                     if layer.bias is not None:
                         layer.bias.zero_()
 
-    def density(self, layer: nn.Linear) -> float:
+    def density(self, layer: MaskedLayer) -> float:
         if self.config.er_scale is None:
             return self.config.density
-        out_f, in_f = layer.weight.shape
+        out_f, in_f = layer.weight.shape[0], layer.fan_in
         return min(0.5, self.config.er_scale * (out_f + in_f) / (out_f * in_f))
 
-    def init_scores(self, layer: MaskedLinear) -> torch.Tensor:
+    def init_scores(self, layer: MaskedLayer) -> torch.Tensor:
         scores = torch.empty_like(layer.weight)
         nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
         return scores
