@@ -118,6 +118,10 @@ class ScoredMaskMethod(MaskedMethod):
         """The binary mask of ``scores`` with a straight-through gradient."""
         raise NotImplementedError
 
+    def final_mask(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        """The mask stored when the task ends (MEAT: the noise-free argmax instead of a training sample)."""
+        return self.binarize(name, scores)
+
     def before_task(self, task: Task) -> None:
         super().before_task(task)
         for name, layer in self.layers.items():
@@ -141,5 +145,5 @@ class ScoredMaskMethod(MaskedMethod):
     def after_task(self, task: Task) -> None:
         super().after_task(task)
         for name in self.layers:
-            self.store_mask(name, task.id, self.binarize(name, self.scores[buffer_name(name)]))
+            self.store_mask(name, task.id, self.final_mask(name, self.scores[buffer_name(name)]))
         self.scores.clear()

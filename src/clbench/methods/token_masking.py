@@ -1,0 +1,62 @@
+"""Key masks over a ViT's tokens (MEAT's attention to self-attention, Xue et al., CVPR 2022, Eqs. 4-5).
+
+A binary keep-mask m over the patch tokens of a layer (prefix tokens such as CLS always kept) removes the
+masked tokens as keys for every head: Psi_ij = m_j exp(A_ij) / sum_s m_s exp(A_is). Queries and outputs of
+all tokens are still computed. Both paths below run PyTorch's fused scaled-dot-product attention:
+
+- a mask without gradient (evaluation, stored masks) becomes an additive key bias, 0 for kept and -inf for
+  masked tokens;
+- a mask that carries a gradient (training, straight-through Gumbel samples) needs dL/dm_j also for masked
+  tokens, where an additive bias -inf has none. The values are extended to [m_j v_j, m_j]: attention over all
+  keys then gives numerator and denominator of Eq. 5, whose ratio is exactly Psi v, differentiable in m.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def key_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A keep-mask over the N keys -> additive attention bias of shape (1, 1, 1, N)."""
+    bias = torch.zeros(keep.shape[-1], dtype=dtype, device=keep.device).masked_fill(keep == 0, float("-inf"))
+    return bias.view(1, 1, 1, -1)
+
+
+def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Eq. 5 for q, k, v of shape (B, H, N, d) and keep of shape (N,): attention over the kept keys."""
+    if not keep.requires_grad:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias(keep, q.dtype))
+    m = keep.to(v.dtype).view(1, 1, -1, 1)
+    values = torch.cat([v * m, m.expand(*v.shape[:-1], 1)], dim=-1)
+    out = F.scaled_dot_product_attention(q, k, values)
+    return out[..., :-1] / out[..., -1:]
+
+
+class KeyMaskedAttention(nn.Module):
+    """Wraps a timm ``Attention``: with ``keep`` set (a mask over the patch tokens), the forward pass masks those
+    keys; without it, the wrapped module runs unchanged. Parameters stay the wrapped module's."""
+
+    def __init__(self, attn: nn.Module, num_prefix_tokens: int) -> None:
+        super().__init__()
+        self.attn = attn
+        self.num_prefix_tokens = num_prefix_tokens
+        self.keep: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if self.keep is None:
+            return self.attn(x, attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            raise ValueError("token masks cannot be combined with another attention mask")
+        a = self.attn
+        b, n, _ = x.shape
+        gate = a.gate(x).sigmoid() if getattr(a, "gate", None) is not None else None
+        q, k, v = a.qkv(x).reshape(b, n, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k = a.q_norm(q), a.k_norm(k)
+        keep = torch.cat([self.keep.new_ones(self.num_prefix_tokens), self.keep])
+        out = key_masked_attention(q, k, v, keep).transpose(1, 2).reshape(b, n, a.attn_dim)
+        out = a.norm(out)
+        if gate is not None:
+            out = out * gate
+        return a.proj_drop(a.proj(out))

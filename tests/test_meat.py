@@ -1,0 +1,100 @@
+"""MEAT: token masks as key masks in fused attention, Gumbel masks, the drop-control loss, exact zero forgetting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clbench.errors import ConfigError
+from clbench.methods.meat import MEAT, drop_control_loss
+from clbench.methods.token_masking import key_masked_attention
+from clbench.run import build_runtime, run_task
+from conftest import tiny_config
+
+MEAT_TINY = ("method=meat", "trainer.lr_scale_batch=null", "trainer.warmup_epochs=0", "trainer.batch_size=16")
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Eq. 5 written out: Psi_ij = m_j exp(A_ij) / sum_s m_s exp(A_is)."""
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    weights = keep * (scores - scores.amax(-1, keepdim=True)).exp()
+    return (weights / weights.sum(-1, keepdim=True)) @ v
+
+
+def test_both_attention_paths_equal_the_reference_masked_softmax() -> None:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 7, 8, dtype=torch.float64) for _ in range(3))
+    keep = torch.tensor([1.0, 0, 1, 1, 0, 0, 1], dtype=torch.float64)  # token 0 = CLS, kept
+    expected = reference_attention(q, k, v, keep)
+    assert torch.allclose(key_masked_attention(q, k, v, keep), expected)  # additive-bias path
+    keep_grad = keep.clone().requires_grad_(True)
+    out = key_masked_attention(q, k, v, keep_grad)  # value-extension path, differentiable in the mask
+    assert torch.allclose(out, expected)
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    ref_keep = keep.clone().requires_grad_(True)
+    (reference_attention(q, k, v, ref_keep) * upstream).sum().backward()
+    assert torch.allclose(keep_grad.grad, ref_keep.grad)
+    assert (keep_grad.grad[keep == 0] != 0).all()  # masked tokens get a gradient too
+
+
+def test_drop_control_loss_on_constructed_masks() -> None:
+    nine_of_ten = torch.tensor([1.0] * 9 + [0.0])
+    half = torch.tensor([1.0] * 5 + [0.0] * 5)
+    assert drop_control_loss([nine_of_ten], 0.9).item() == pytest.approx(0.0)
+    assert drop_control_loss([nine_of_ten, half], 0.9).item() == pytest.approx((0.0 + 0.4**2) / 2)
+
+
+def test_keep_init_with_every_mask_on_equals_the_frozen_backbone() -> None:
+    method, rt = build_runtime(tiny_config(*MEAT_TINY, "method.init=keep"))
+    assert isinstance(method, MEAT)
+    method.before_task(rt.benchmark.tasks[0])
+    method.eval()
+    x = rt.test_tf(rt.benchmark.test[0].x[:8])
+    with torch.no_grad():
+        plain = method.backbone.forward_head(method.backbone.forward_features(x), pre_logits=True)  # no mask set
+        masked = method.features(x, 0)
+    assert all(bool(method.token_mask(i, 0).all()) for i in method.attentions)
+    assert torch.allclose(masked, plain, atol=1e-5)
+
+
+def test_no_gumbel_noise_at_evaluation() -> None:
+    method, rt = build_runtime(tiny_config(*MEAT_TINY))
+    method.before_task(rt.benchmark.tasks[0])
+    x = rt.test_tf(rt.benchmark.test[0].x[:8])
+    method.eval()
+    first, second = method.predict(x, 0), method.predict(x, 0)
+    assert torch.equal(first, second)
+    logits = method.scores["token_0"]
+    assert torch.equal(method.token_mask(0, 0), (logits[:, 0] > logits[:, 1]).float())
+    method.train()
+    samples = torch.stack([method.token_mask(0, 0) for _ in range(20)])
+    assert not (samples == samples[0]).all()  # training samples vary (uniform init: many uncertain entries)
+
+
+def test_bad_token_mask_layers_are_rejected() -> None:
+    with pytest.raises(ConfigError, match=r"token_mask_layers.*0\.\.0"):
+        build_runtime(tiny_config(*MEAT_TINY, "method.token_mask_layers=[3]"))
+    with pytest.raises(ConfigError, match=r"method\.lam"):
+        tiny_config(*MEAT_TINY, "method.lam=1.5")
+
+
+def test_old_tasks_are_bit_identical_and_storage_counts_both_masks() -> None:
+    method, rt = build_runtime(tiny_config(*MEAT_TINY, "trainer.epochs=2"))
+    tasks = rt.benchmark.tasks
+    inputs = [rt.test_tf(rt.benchmark.test[t.id].x) for t in tasks]
+    frozen = {k: v.clone() for k, v in method.backbone.state_dict().items()}
+    logits: list[torch.Tensor] = []
+    for task in tasks:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=2)
+        method.after_task(task)
+        method.eval()
+        logits.append(method.predict(inputs[task.id], task.id))
+        for old in range(task.id):
+            assert torch.equal(method.predict(inputs[old], old), logits[old]), f"task {old} moved after task {task.id}"
+        assert all(torch.equal(frozen[k], v) for k, v in method.backbone.state_dict().items())
+    fc_weights = sum(b.mlp.fc1.weight.numel() + b.mlp.fc2.weight.numel() for b in method.backbone.blocks)
+    patches = method.backbone.patch_embed.num_patches
+    for entry in method.storage()["bits_per_task"]:
+        assert entry["ffn_masks"] == fc_weights and entry["token_masks"] == patches * len(method.backbone.blocks)
