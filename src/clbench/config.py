@@ -85,10 +85,16 @@ class BackboneConfig:
     weights: str | None = None  # a local .safetensors/.pth/.npz checkpoint; no network needed
     normalize: bool = True  # normalise pixels with the weights' mean/std (false: pixels in [0, 1], as L2P)
     drop_path_rate: float = 0.0
+    refiner: bool = False  # Refiner attention (expansion, distributed local attention, reduction) in every block
+    refiner_expand: int = 3  # expansion ratio of the attention heads (Refiner: 3)
+    refiner_kernel: int = 3  # kernel of the distributed local attention (Refiner: 3)
     kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         require(self.img_size >= 8, "backbone.img_size", self.img_size, "an integer >= 8")
+        require(self.refiner_expand >= 1, "backbone.refiner_expand", self.refiner_expand, "an integer >= 1")
+        ok = self.refiner_kernel >= 1 and self.refiner_kernel % 2 == 1
+        require(ok, "backbone.refiner_kernel", self.refiner_kernel, "an odd integer >= 1")
         require(0 <= self.drop_path_rate < 1, "backbone.drop_path_rate", self.drop_path_rate, "a float in [0, 1)")
         if self.weights is not None:
             require(

@@ -4,6 +4,8 @@
 ``HF_HUB_OFFLINE``). ``weights=PATH`` loads a local .safetensors/.pth/.npz through timm's own loader,
 so the classifier is dropped and position embeddings are resampled to ``img_size`` as timm does; an
 .npz is read with timm's loader for Google's original ViT checkpoints (e.g. ViT-B_16.npz, L2P's weights).
+``refiner=true`` then swaps every block's attention for Refiner attention (:mod:`clbench.backbones.refiner`),
+which computes the loaded ViT's attention exactly until its refinement is trained.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import timm
 from timm.models import is_model_in_modules
 from timm.models.vision_transformer import VisionTransformer
 
+from clbench.backbones.refiner import add_refiner
 from clbench.config import BackboneConfig
 from clbench.errors import ConfigError, WeightsError
 
@@ -57,6 +60,8 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
             ) from None
     else:
         model = timm.create_model(name, pretrained=False, **kwargs)
+    if cfg.refiner:
+        add_refiner(model, cfg.refiner_expand, cfg.refiner_kernel)
     return model
 
 

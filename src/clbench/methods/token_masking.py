@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clbench.backbones.refiner import RefinerAttention
+
 
 def key_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A keep-mask over the N keys -> additive attention bias of shape (1, 1, 1, N)."""
@@ -49,12 +51,14 @@ class KeyMaskedAttention(nn.Module):
             return self.attn(x, attn_mask=attn_mask, is_causal=is_causal)
         if attn_mask is not None or is_causal:
             raise ValueError("token masks cannot be combined with another attention mask")
+        keep = torch.cat([self.keep.new_ones(self.num_prefix_tokens), self.keep])
+        if isinstance(self.attn, RefinerAttention):  # it masks its own explicit attention maps
+            return self.attn(x, keep=keep)
         a = self.attn
         b, n, _ = x.shape
         gate = a.gate(x).sigmoid() if getattr(a, "gate", None) is not None else None
         q, k, v = a.qkv(x).reshape(b, n, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         q, k = a.q_norm(q), a.k_norm(k)
-        keep = torch.cat([self.keep.new_ones(self.num_prefix_tokens), self.keep])
         out = key_masked_attention(q, k, v, keep).transpose(1, 2).reshape(b, n, a.attn_dim)
         out = a.norm(out)
         if gate is not None:
