@@ -68,7 +68,7 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
     assert out.returncode == 0
     for text in (
         "== Config groups",
-        "method: finetune, joint",
+        "method: finetune, hat, joint, meat, packnet, piggyback, supsup",
         "data: ",
         "backbone: ",
         "Examples:",
