@@ -140,7 +140,7 @@ def test_heatmap_renders_negative_forgetting() -> None:
     assert heatmap_png(results, "til")[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat"])
+@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
 def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, method: str) -> None:
     extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
     overrides = (*TINY, f"method={method}", "trainer.epochs=1", *extra)

@@ -38,7 +38,7 @@ def evaluate(
         correct = {s: torch.zeros((), dtype=torch.long, device=split.y.device) for s in scenarios}
         for images, labels in split.batches(batch_size, shuffle=False):
             x = transform(images)
-            with autocast:
+            with autocast, method.evaluating(j):
                 if "til" in scenarios:
                     correct["til"] += (method.predict(x, j).argmax(1) + task.offset == labels).sum()
                 if "cil" in scenarios:

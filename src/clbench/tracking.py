@@ -82,6 +82,24 @@ def heatmap_png(results: Results, scenario: str) -> bytes:
     return buf.getvalue()
 
 
+def prompt_histogram_png(histogram: dict[str, list[list[int]]], title: str) -> bytes:
+    """L2P's prompt-selection counts, tasks x prompts, for training and for the latest evaluation side by side
+    (pool collapse shows as the same few columns lit in every row)."""
+    fig, axes = plt.subplots(1, len(histogram), figsize=(9, 2 + 0.35 * len(next(iter(histogram.values())))))
+    for ax, (phase, rows) in zip(axes, histogram.items(), strict=True):
+        im = ax.imshow(rows, cmap="magma", aspect="auto")
+        ax.set_title(f"{phase}: selections per prompt", fontsize=9)
+        ax.set_xlabel("prompt")
+        ax.set_ylabel("task")
+        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def write_run_files(
     results: Results, run_dir: Path, *, heatmaps: bool = True, artifacts: dict[str, torch.Tensor] | None = None
 ) -> None:
@@ -95,6 +113,10 @@ def write_run_files(
         write_atomic(run_dir / f"forgetting_matrix_{s}.csv", matrix_csv(results.forgetting_rows(s)))
         if heatmaps:
             write_atomic(run_dir / f"heatmap_{s}.png", heatmap_png(results, s))
+    histogram = results.extra.get("l2p", {}).get("prompt_histogram")
+    if histogram and histogram["train"]:
+        title = f"{results.header['method']} on {results.header['benchmark']}"
+        write_atomic(run_dir / "prompt_histogram.png", prompt_histogram_png(histogram, title))
 
 
 # --------------------------------------------------------------------------------------------- console
@@ -180,6 +202,8 @@ class WandbTracker:
                 columns=columns, data=[[k, *r] for k, r in enumerate(results.forgetting_rows(s))]
             )
             data[f"heatmap/{s}"] = wandb.Image(str(run_dir / f"heatmap_{s}.png"))
+        if (run_dir / "prompt_histogram.png").is_file():
+            data["l2p/prompt_histogram"] = wandb.Image(str(run_dir / "prompt_histogram.png"))
         self.run.log(data, step=step)
 
     def finish(self, results: Results, exit_code: int) -> None:

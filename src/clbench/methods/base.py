@@ -12,6 +12,8 @@ one is the argmax over all seen classes.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -119,6 +121,12 @@ class Method(nn.Module):
         if self.task_conditioned:
             return self.infer_task_by_entropy(x)
         return self.seen_logits(self.features(x, None))
+
+    @contextmanager
+    def evaluating(self, task_id: int) -> Iterator[None]:
+        """Wraps the evaluation of ``task_id``'s test data, for per-task diagnostics (L2P's prompt histogram).
+        A prediction must never depend on it."""
+        yield
 
     def infer_task_by_entropy(self, x: torch.Tensor) -> torch.Tensor:
         """Class-incremental prediction for task-conditioned methods: run every seen task's path and keep,
