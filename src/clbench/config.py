@@ -35,13 +35,20 @@ class DataConfig:
     """A benchmark: a source split into tasks of disjoint classes."""
 
     name: str  # recorded in results.json, e.g. cifar100_10tasks
-    source: str  # digits | cifar10 | cifar100 | synthetic
-    tasks: int  # number of tasks the classes are split into
+    source: str  # digits | cifar10 | cifar100 | mnist | fashion_mnist | svhn | image_folder | synthetic | sequence
+    tasks: int  # number of tasks the classes are split into (sequence: one per dataset)
     root: str = "data"  # where downloadable sources live (data.root=/datasets)
     download: bool = False  # fetch the official archive into root if it is missing
     verify_checksums: bool = True  # false accepts a copy made by hand
     num_tasks: int | None = None  # train and evaluate only the first N tasks
     class_order_seed: int | None = 1993  # iCaRL/PyCIL convention; null keeps the natural order
+    # Image folders and sequences of datasets (one task per dataset, in the listed order).
+    folder: str | None = None  # source=image_folder: the folder under root
+    datasets: list[str] = field(default_factory=list)  # source=sequence: built-in source names or folders under root
+    store_size: int | None = None  # image folders and sequences: images stored RGB at this square size
+    test_fraction: float = 0.2  # folders without train/test sub-folders: the seeded per-class test share
+    split_seed: int = 0  # ... and its seed (recorded with the run)
+    decode_workers: int = 8  # threads decoding image files
     # Train-time augmentation, applied in batches on the device.
     train_crop: str = "pad"  # pad: shift by up to crop_padding px | resized: RandomResizedCrop | none
     crop_padding: int = 4
@@ -55,8 +62,20 @@ class DataConfig:
     synthetic_channels: int = 3
 
     def __post_init__(self) -> None:
-        require_choice("data.source", self.source, ("digits", "cifar10", "cifar100", "synthetic"))
+        sources = ("digits", "cifar10", "cifar100", "mnist", "fashion_mnist", "svhn", "image_folder", "synthetic")
+        require_choice("data.source", self.source, (*sources, "sequence"))
         require(self.tasks >= 1, "data.tasks", self.tasks, "an integer >= 1")
+        if self.source == "image_folder":
+            require(bool(self.folder), "data.folder", self.folder, "the image folder's name under data.root")
+        if self.source in ("image_folder", "sequence"):
+            require(self.store_size is not None and self.store_size >= 8, "data.store_size", self.store_size, ">= 8")
+        if self.source == "sequence":
+            require(len(self.datasets) > 0, "data.datasets", self.datasets, "a non-empty list of dataset names")
+            require(
+                self.tasks == len(self.datasets), "data.tasks", self.tasks, f"len(data.datasets) = {len(self.datasets)}"
+            )
+        require(0 < self.test_fraction < 1, "data.test_fraction", self.test_fraction, "a float in (0, 1)")
+        require(self.decode_workers >= 1, "data.decode_workers", self.decode_workers, "an integer >= 1")
         require(
             self.num_tasks is None or 1 <= self.num_tasks <= self.tasks,
             "data.num_tasks",

@@ -244,6 +244,8 @@ def train(
     benchmark, device = rt.benchmark, rt.device
     results = Results(header(cfg), benchmark.tasks)
     results.header["device"] = str(device)
+    if benchmark.splits:
+        results.header["data_splits"] = benchmark.splits
     tracker = WandbTracker(cfg.logger, run_dir, wandb_config, group=group, name=name)
     exit_code = 1
     try:

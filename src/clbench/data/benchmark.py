@@ -1,4 +1,5 @@
-"""A benchmark is a source's classes, permuted by ``class_order_seed`` and cut into tasks.
+"""A benchmark is a source's classes, permuted by ``class_order_seed`` and cut into tasks, or a sequence of
+datasets with one task each (``source=sequence``: MEAT's six datasets, L2P's 5-datasets).
 
 Labels are remapped so that task ``t`` owns the contiguous global labels ``offset .. offset + n_t - 1`` in
 class-order position; results record the original class ids and names of every task.
@@ -7,13 +8,14 @@ class-order position; results record the original class ids and names of every t
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from clbench.config import DataConfig
-from clbench.data.sources import SourceData, load_source
+from clbench.data.sources import SourceData, load_named_source, load_source
 from clbench.errors import ConfigError
 
 
@@ -69,6 +71,7 @@ class Benchmark:
     tasks: list[Task]
     train: list[Split]
     test: list[Split]
+    splits: list[dict[str, Any]] = field(default_factory=list)  # seeded train/test splits made while loading
 
     @property
     def num_classes(self) -> int:
@@ -79,7 +82,8 @@ class Benchmark:
         return self.train[0].x.shape[1]
 
     def to(self, device: torch.device) -> Benchmark:
-        return Benchmark(self.name, self.tasks, [s.to(device) for s in self.train], [s.to(device) for s in self.test])
+        train, test = [s.to(device) for s in self.train], [s.to(device) for s in self.test]
+        return Benchmark(self.name, self.tasks, train, test, self.splits)
 
 
 def class_order(num_classes: int, seed: int | None) -> np.ndarray:
@@ -113,9 +117,27 @@ def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
         train.append(Split(source.train_x[tr].contiguous(), train_y[tr]))
         test.append(Split(source.test_x[te].contiguous(), test_y[te]))
         offset = hi
-    return Benchmark(cfg.name, tasks, train, test)
+    return Benchmark(cfg.name, tasks, train, test, [source.split] if source.split else [])
+
+
+def sequence_of_datasets(cfg: DataConfig) -> Benchmark:
+    """One task per dataset of ``cfg.datasets`` (all of its classes, its own train/test split), in that order;
+    every dataset stored RGB at ``store_size``. Only the first ``num_tasks`` datasets are loaded."""
+    assert cfg.store_size is not None  # checked by DataConfig
+    tasks, train, test, splits, offset = [], [], [], [], 0
+    for task_id, name in enumerate(cfg.datasets[: cfg.num_tasks or cfg.tasks]):
+        source = load_named_source(name, cfg).as_rgb(cfg.store_size)
+        n = len(source.class_names)
+        tasks.append(Task(task_id, tuple(range(n)), tuple(f"{name}/{c}" for c in source.class_names), offset))
+        train.append(Split(source.train_x, source.train_y + offset))
+        test.append(Split(source.test_x, source.test_y + offset))
+        splits += [source.split] if source.split else []
+        offset += n
+    return Benchmark(cfg.name, tasks, train, test, splits)
 
 
 def build_benchmark(cfg: DataConfig) -> Benchmark:
-    """Load the configured source and split it into tasks (on the CPU; move it with ``.to(device)``)."""
+    """Load the configured source(s) and make the tasks (on the CPU; move them with ``.to(device)``)."""
+    if cfg.source == "sequence":
+        return sequence_of_datasets(cfg)
     return split_into_tasks(load_source(cfg), cfg)

@@ -4,7 +4,11 @@
   stratified with a fixed seed.
 - ``cifar10`` / ``cifar100``: the official python pickles, downloaded into ``data.root`` on request with
   torchvision's checksummed downloader, read directly into tensors (no PIL).
+- ``mnist`` / ``fashion_mnist``: the official idx files (torchvision's layout ``<root>/<MNIST|FashionMNIST>/raw``),
+  read with torchvision's readers; ``svhn``: the official ``{train,test}_32x32.mat`` files in ``<root>/svhn``.
+- ``image_folder``: ``<root>/<data.folder>`` with one sub-folder per class (:mod:`clbench.data.image_folder`).
 - ``synthetic``: seeded class prototypes plus noise, for tests and timings without files.
+A ``sequence`` benchmark loads several of these by name (a name that is none of them is an image folder).
 """
 
 from __future__ import annotations
@@ -12,13 +16,17 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from torchvision.datasets import CIFAR10, CIFAR100
-from torchvision.datasets.utils import check_integrity, download_and_extract_archive
+import torch.nn.functional as F
+from torchvision.datasets import CIFAR10, CIFAR100, MNIST, SVHN, FashionMNIST
+from torchvision.datasets.mnist import read_image_file, read_label_file
+from torchvision.datasets.utils import check_integrity, download_and_extract_archive, download_url
 
 from clbench.config import DataConfig
+from clbench.data.image_folder import list_classes, list_images, load_images, seeded_split, split_digest
 from clbench.errors import DataError
 
 
@@ -31,6 +39,27 @@ class SourceData:
     test_x: torch.Tensor
     test_y: torch.Tensor
     class_names: list[str]
+    split: dict[str, Any] | None = None  # how a seeded train/test split was made (recorded in results.json)
+
+    def as_rgb(self, size: int) -> SourceData:
+        """Three channels at size x size (antialiased resize), so that datasets of a sequence stack alike."""
+
+        def convert(x: torch.Tensor) -> torch.Tensor:
+            x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
+            if x.shape[-2:] == (size, size):
+                return x.contiguous()
+            chunks = [
+                F.interpolate(c.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+                .round()
+                .clamp(0, 255)
+                .to(torch.uint8)
+                for c in x.split(4096)
+            ]
+            return torch.cat(chunks) if chunks else torch.zeros(0, 3, size, size, dtype=torch.uint8)
+
+        return SourceData(
+            convert(self.train_x), self.train_y, convert(self.test_x), self.test_y, self.class_names, self.split
+        )
 
 
 def load_digits_source() -> SourceData:
@@ -82,9 +111,9 @@ def _cifar_arrays(files: list[Path], label_key: str) -> tuple[torch.Tensor, torc
     return torch.from_numpy(np.ascontiguousarray(x, dtype=np.uint8)), torch.from_numpy(y).long()
 
 
-def load_cifar_source(cfg: DataConfig) -> SourceData:
+def load_cifar_source(cfg: DataConfig, name: str) -> SourceData:
     """CIFAR-10/100 from ``<root>/cifar-{10-batches,100}-py`` (the official archive's layout)."""
-    spec = CIFAR100 if cfg.source == "cifar100" else CIFAR10
+    spec = CIFAR100 if name == "cifar100" else CIFAR10
     root = Path(cfg.root).expanduser()
     folder = root / spec.base_folder
     files = [*spec.train_list, *spec.test_list, [spec.meta["filename"], spec.meta["md5"]]]
@@ -100,28 +129,125 @@ def load_cifar_source(cfg: DataConfig) -> SourceData:
             download_and_extract_archive(spec.url, str(root), filename=spec.filename, md5=md5)
         except Exception as err:  # network errors, bad archives: all end the same way for the user
             raise DataError(
-                f"Could not download {cfg.source} from {spec.url} into {root} ({type(err).__name__}: {err}). "
+                f"Could not download {name} from {spec.url} into {root} ({type(err).__name__}: {err}). "
                 f"Without network, copy the official archive {spec.filename} there and extract it, "
                 f"so that {folder} holds {', '.join(n for n, _ in files)}."
             ) from None
     if not present():
         what = "missing or fail their checksums" if cfg.verify_checksums else "are missing"
         raise DataError(
-            f"The {cfg.source} files in {folder} {what}. Either run with data.download=true (needs network) "
+            f"The {name} files in {folder} {what}. Either run with data.download=true (needs network) "
             f"or download {spec.url}, extract it into {root} so that {folder} holds "
             f"{', '.join(n for n, _ in files)}, and point data.root at it"
             + ("; data.verify_checksums=false accepts a copy you made yourself." if cfg.verify_checksums else ".")
         )
-    label_key = "fine_labels" if cfg.source == "cifar100" else "labels"
+    label_key = "fine_labels" if name == "cifar100" else "labels"
     train_x, train_y = _cifar_arrays([folder / n for n, _ in spec.train_list], label_key)
     test_x, test_y = _cifar_arrays([folder / n for n, _ in spec.test_list], label_key)
     meta = _read_pickle(folder / spec.meta["filename"])
     return SourceData(train_x, train_y, test_x, test_y, list(meta[spec.meta["key"]]))
 
 
-def load_source(cfg: DataConfig) -> SourceData:
-    if cfg.source == "digits":
+def load_mnist_source(name: str, cfg: DataConfig) -> SourceData:
+    """MNIST or Fashion-MNIST from ``<root>/<MNIST|FashionMNIST>/raw`` (the uncompressed idx files)."""
+    spec = MNIST if name == "mnist" else FashionMNIST
+    root = Path(cfg.root).expanduser()
+    raw = root / spec.__name__ / "raw"
+    files = ["train-images-idx3-ubyte", "train-labels-idx1-ubyte", "t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"]
+    if not all((raw / f).is_file() for f in files) and cfg.download:
+        try:
+            spec(str(root), train=True, download=True)
+        except Exception as err:
+            raise DataError(f"Could not download {name} into {raw} ({type(err).__name__}: {err}).") from None
+    if not all((raw / f).is_file() for f in files):
+        raise DataError(
+            f"The {name} files are missing from {raw} (expected {', '.join(files)}, the official archives "
+            "uncompressed). Run with data.download=true (needs network) or copy them there."
+        )
+    train_x, train_y = read_image_file(str(raw / files[0])), read_label_file(str(raw / files[1]))
+    test_x, test_y = read_image_file(str(raw / files[2])), read_label_file(str(raw / files[3]))
+    return SourceData(train_x[:, None], train_y.long(), test_x[:, None], test_y.long(), list(spec.classes))
+
+
+def load_svhn_source(cfg: DataConfig) -> SourceData:
+    """SVHN (cropped digits) from ``<root>/svhn/{train,test}_32x32.mat``; label 10 means digit 0."""
+    from scipy.io import loadmat
+
+    folder = Path(cfg.root).expanduser() / "svhn"
+    out = []
+    for split in ("train", "test"):
+        url, filename, md5 = SVHN.split_list[split]
+        path = folder / filename
+        if not path.is_file() and cfg.download:
+            try:
+                download_url(url, str(folder), filename, md5 if cfg.verify_checksums else None)
+            except Exception as err:
+                raise DataError(f"Could not download SVHN {split} from {url} ({type(err).__name__}: {err}).") from None
+        if not path.is_file() or (cfg.verify_checksums and not check_integrity(str(path), md5)):
+            raise DataError(
+                f"SVHN's {path} is missing or fails its checksum. Run with data.download=true (needs network) or copy "
+                f"{url} there"
+                + ("; data.verify_checksums=false accepts a copy you made yourself." if cfg.verify_checksums else ".")
+            )
+        mat = loadmat(str(path))
+        x = torch.from_numpy(np.ascontiguousarray(mat["X"].transpose(3, 2, 0, 1), dtype=np.uint8))
+        out += [x, torch.from_numpy(mat["y"].astype(np.int64).reshape(-1) % 10)]
+    return SourceData(*out, [str(d) for d in range(10)])
+
+
+def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
+    """An image-folder dataset with its own train/test split, or split per class with ``data.split_seed``."""
+    folder = Path(cfg.root).expanduser() / folder_name
+    if not folder.is_dir():
+        raise DataError(
+            f"The image folder {folder} does not exist. Expected {folder}/train/<class>/* and {folder}/test/<class>/*, "
+            f"or {folder}/<class>/* (then split with data.split_seed); point data.root at the folder holding "
+            f"{folder_name}/."
+        )
+    assert cfg.store_size is not None  # checked by DataConfig
+    split = None
+    if (folder / "train").is_dir() and (folder / "test").is_dir():
+        classes = list_classes(folder / "train")
+        train_files, train_y = list_images(folder / "train", classes)
+        test_files, test_y = list_images(folder / "test", classes)
+    else:
+        classes = list_classes(folder)
+        files, labels = list_images(folder, classes)
+        test = seeded_split(labels, cfg.test_fraction, cfg.split_seed)
+        train_files, train_y = [f for f, t in zip(files, test, strict=True) if not t], labels[~test]
+        test_files, test_y = [f for f, t in zip(files, test, strict=True) if t], labels[test]
+        split = {
+            "folder": folder_name,
+            "seed": cfg.split_seed,
+            "test_fraction": cfg.test_fraction,
+            "train_images": len(train_files),
+            "test_images": len(test_files),
+            "test_files_sha256": split_digest(test_files, folder),
+        }
+    if not train_files or not test_files:
+        raise DataError(f"{folder} holds no training or no test images (suffixes: jpg, jpeg, png, bmp, ...).")
+    train_x = load_images(train_files, cfg.store_size, cfg.decode_workers)
+    test_x = load_images(test_files, cfg.store_size, cfg.decode_workers)
+    return SourceData(train_x, torch.from_numpy(train_y), test_x, torch.from_numpy(test_y), classes, split)
+
+
+def load_named_source(name: str, cfg: DataConfig) -> SourceData:
+    """A dataset by name: one of the built-in sources, else an image folder ``<root>/<name>``."""
+    if name == "digits":
         return load_digits_source()
-    if cfg.source == "synthetic":
+    if name == "synthetic":
         return load_synthetic_source(cfg)
-    return load_cifar_source(cfg)
+    if name in ("cifar10", "cifar100"):
+        return load_cifar_source(cfg, name)
+    if name in ("mnist", "fashion_mnist"):
+        return load_mnist_source(name, cfg)
+    if name == "svhn":
+        return load_svhn_source(cfg)
+    return load_image_folder_source(name, cfg)
+
+
+def load_source(cfg: DataConfig) -> SourceData:
+    """The single source of a class-split benchmark."""
+    name = cfg.folder if cfg.source == "image_folder" else cfg.source
+    assert name is not None  # checked by DataConfig
+    return load_named_source(name, cfg)

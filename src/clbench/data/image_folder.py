@@ -1,0 +1,73 @@
+"""Datasets stored as image folders (one sub-folder per class), read once into uint8 tensors.
+
+Layouts under ``<data.root>/<folder>``:
+- ``train/<class>/*`` and ``test/<class>/*``: the dataset's own split (CUB-200, Stanford Cars, ...);
+- ``<class>/*`` only: split per class with ``data.split_seed`` into ``1 - test_fraction`` / ``test_fraction``
+  (ImageNet-R, notMNIST); the split is fixed by the seed and recorded with the run.
+Every image is decoded with PIL (in a thread pool), converted to RGB, centre-cropped to a square and resized
+to ``data.store_size``: the device-side transforms do the rest per batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+
+from clbench.errors import DataError
+
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
+
+
+def list_classes(folder: Path) -> list[str]:
+    classes = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not classes:
+        raise DataError(f"{folder} holds no class sub-folders (expected {folder}/<class>/<image files>).")
+    return classes
+
+
+def list_images(folder: Path, classes: list[str]) -> tuple[list[Path], np.ndarray]:
+    files, labels = [], []
+    for label, name in enumerate(classes):
+        found = sorted(p for p in (folder / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        files += found
+        labels += [label] * len(found)
+    return files, np.asarray(labels, dtype=np.int64)
+
+
+def load_image(path: Path, size: int) -> np.ndarray:
+    """RGB, centre-cropped to a square and resized to size x size (bicubic): (3, size, size) uint8."""
+    try:
+        with Image.open(path) as img:
+            square = ImageOps.fit(img.convert("RGB"), (size, size), method=Image.Resampling.BICUBIC)
+            return np.asarray(square, dtype=np.uint8).transpose(2, 0, 1)
+    except (OSError, UnidentifiedImageError) as err:
+        raise DataError(f"Could not read the image {path} ({err}); remove or replace the file.") from None
+
+
+def load_images(files: list[Path], size: int, workers: int) -> torch.Tensor:
+    if not files:
+        return torch.zeros(0, 3, size, size, dtype=torch.uint8)
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return torch.from_numpy(np.stack(list(pool.map(lambda f: load_image(f, size), files))))
+
+
+def seeded_split(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:
+    """A boolean test mask holding round(test_fraction * n_c) images of each class c (at least one when n_c > 1)."""
+    rng = np.random.RandomState(seed)
+    test = np.zeros(len(labels), dtype=bool)
+    for c in np.unique(labels):
+        idx = np.flatnonzero(labels == c)
+        n = min(len(idx) - 1, max(1, round(test_fraction * len(idx)))) if len(idx) > 1 else 0
+        test[rng.permutation(idx)[:n]] = True
+    return test
+
+
+def split_digest(files: list[Path], root: Path) -> str:
+    """SHA-256 of the sorted relative paths: identifies a seeded split in results.json."""
+    names = "\n".join(sorted(str(f.relative_to(root)) for f in files))
+    return hashlib.sha256(names.encode()).hexdigest()
