@@ -78,7 +78,7 @@ def test_unreadable_image_and_missing_folder_are_clear_errors(tmp_path: Path) ->
         build_benchmark(folder_config(tmp_path))
     write_image_folder(tmp_path / "ds", ["a", "b"], 3, split=True)
     (tmp_path / "ds" / "train" / "a" / "broken.jpg").write_bytes(b"not an image")
-    with pytest.raises(DataError, match="broken.jpg"):
+    with pytest.raises(DataError, match=r"broken\.jpg"):
         build_benchmark(folder_config(tmp_path))
 
 
