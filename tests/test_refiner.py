@@ -61,7 +61,7 @@ class Recorder(torch.nn.Module):
         return x
 
 
-@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+@pytest.mark.parametrize("method", ["finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
 def test_every_method_runs_on_refiner(tmp_path: Path, method: str) -> None:
     extra = ("trainer.lr_scale_batch=null", "trainer.warmup_epochs=0") if method == "meat" else ()
     cfg = tiny_config("backbone=vit_micro_refiner", f"method={method}", "data.num_tasks=2", "trainer.epochs=1", *extra)
