@@ -131,6 +131,7 @@ def test_piggyback_starts_from_the_full_network() -> None:
         ("method=supsup", "method.base_weights=pretrained", "method.er_scale=2"),
         ("method=supsup", "trainer.lr=1e-2", "method.layers=[patch_embed.proj,mlp.fc1]"),
         ("method=packnet", "method.retrain_epochs=1", "method.layers=[patch_embed.proj,attn.qkv]"),
+        ("method=meat", "trainer.lr_scale_batch=null", "trainer.warmup_epochs=0", "trainer.batch_size=16"),
     ],
     ids=[
         "packnet-sgd",
@@ -140,6 +141,7 @@ def test_piggyback_starts_from_the_full_network() -> None:
         "supsup-pretrained-er",
         "supsup-conv",
         "packnet-conv",
+        "meat",
     ],
 )
 def test_old_tasks_are_bit_identical_after_later_tasks(overrides: tuple[str, ...]) -> None:
@@ -163,7 +165,8 @@ def test_old_tasks_are_bit_identical_after_later_tasks(overrides: tuple[str, ...
     if "packnet" in overrides[0]:
         assert storage["shared_bits"]["owner_index"] == 2 * method.masked_weights()  # ids 0..3 need 2 bits
     else:
-        assert all(entry["masks"] == method.masked_weights() for entry in storage["bits_per_task"])
+        key = "ffn_masks" if "meat" in overrides[0] else "masks"
+        assert all(entry[key] == method.masked_weights() for entry in storage["bits_per_task"])
 
 
 def test_supsup_one_shot_and_binary_pick_the_steepest_entropy_descent(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,7 +8,7 @@ import torch
 from clbench.errors import ConfigError
 from clbench.methods.meat import MEAT, drop_control_loss
 from clbench.methods.token_masking import key_masked_attention
-from clbench.run import build_runtime, run_task
+from clbench.run import build_runtime
 from conftest import tiny_config
 
 MEAT_TINY = ("method=meat", "trainer.lr_scale_batch=null", "trainer.warmup_epochs=0", "trainer.batch_size=16")
@@ -79,22 +79,14 @@ def test_bad_token_mask_layers_are_rejected() -> None:
         tiny_config(*MEAT_TINY, "method.lam=1.5")
 
 
-def test_old_tasks_are_bit_identical_and_storage_counts_both_masks() -> None:
-    method, rt = build_runtime(tiny_config(*MEAT_TINY, "trainer.epochs=2"))
-    tasks = rt.benchmark.tasks
-    inputs = [rt.test_tf(rt.benchmark.test[t.id].x) for t in tasks]
-    frozen = {k: v.clone() for k, v in method.backbone.state_dict().items()}
-    logits: list[torch.Tensor] = []
-    for task in tasks:
+def test_storage_counts_ffn_and_token_masks_per_task() -> None:
+    """(Exact zero forgetting is tested with the other mask methods in test_masks.py.)"""
+    method, rt = build_runtime(tiny_config(*MEAT_TINY, "method.token_mask_layers=[0]"))
+    for task in rt.benchmark.tasks:
         method.before_task(task)
-        run_task(method, task, rt, epochs=2)
         method.after_task(task)
-        method.eval()
-        logits.append(method.predict(inputs[task.id], task.id))
-        for old in range(task.id):
-            assert torch.equal(method.predict(inputs[old], old), logits[old]), f"task {old} moved after task {task.id}"
-        assert all(torch.equal(frozen[k], v) for k, v in method.backbone.state_dict().items())
     fc_weights = sum(b.mlp.fc1.weight.numel() + b.mlp.fc2.weight.numel() for b in method.backbone.blocks)
     patches = method.backbone.patch_embed.num_patches
     for entry in method.storage()["bits_per_task"]:
-        assert entry["ffn_masks"] == fc_weights and entry["token_masks"] == patches * len(method.backbone.blocks)
+        assert entry["ffn_masks"] == fc_weights and entry["token_masks"] == patches
+        assert entry["head"] == 32 * (method.backbone.num_features * 2 + 2)
