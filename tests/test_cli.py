@@ -66,9 +66,19 @@ def test_missing_dataset_offline_names_the_path(tmp_path: Path) -> None:
 def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
     out = clbench("--help", cwd=tmp_path)
     assert out.returncode == 0
+    methods = next(line for line in out.stdout.splitlines() if line.startswith("method: "))
+    assert set(methods.removeprefix("method: ").split(", ")) == {
+        "finetune",
+        "joint",
+        "packnet",
+        "piggyback",
+        "supsup",
+        "hat",
+        "meat",
+        "l2p",
+    }
     for text in (
         "== Config groups",
-        "method: finetune, hat, joint, meat, packnet, piggyback, supsup",
         "data: ",
         "backbone: ",
         "Examples:",
