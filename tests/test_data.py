@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from clbench.config import DataConfig
+from clbench.config import DataConfig, validate
 from clbench.data import DeviceTransform, build_benchmark, sources
 from clbench.data.benchmark import class_order
 from clbench.errors import DataError
+from conftest import compose_config
 
 
 def _pickle(path: Path, obj: dict) -> None:
@@ -174,3 +175,10 @@ def test_pad_crop_shifts_by_whole_pixels() -> None:
     rows, cols = peaks // 16, peaks % 16
     assert ((rows - 8).abs() <= 3).all() and ((cols - 8).abs() <= 3).all()
     assert torch.allclose(out[:, 0].amax((1, 2)), torch.ones(64))  # whole-pixel shifts keep the peak intact
+
+
+def test_synthetic_cifar100_has_cifar100s_shapes_and_counts() -> None:
+    cfg = validate(compose_config("data=synthetic_cifar100", "data.synthetic_train_per_class=5")).data
+    bench = build_benchmark(cfg)
+    assert len(bench.tasks) == 10 and all(t.num_classes == 10 for t in bench.tasks)
+    assert bench.train[0].x.shape == (50, 3, 32, 32) and sum(len(s) for s in bench.test) == 100 * 100
