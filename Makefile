@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-all lint format clean
+.PHONY: help install run test test-all bench lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -25,6 +25,9 @@ test: $(STAMP)  ## the fast test suite (minutes on 2 CPU cores)
 
 test-all: $(STAMP)  ## every test, slow ones included
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m 'not gpu' $(ARGS)
+
+bench: $(STAMP)  ## step throughput of every method vs plain timm references -> bench.json (vit_micro on CPU)
+	HF_HUB_OFFLINE=1 $(PY) -m clbench.bench $(ARGS)
 
 lint: $(STAMP)  ## ruff check + format check
 	$(VENV)/bin/ruff check src tests

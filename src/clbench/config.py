@@ -144,6 +144,7 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     eval_random_init: bool = True  # measure b_j (accuracy before any training) for FWT
     log_every: int = 20  # train-loss logging period in steps (each log is one host sync)
+    compile: bool = False  # torch.compile every transformer block (falls back to eager where it cannot)
 
     def __post_init__(self) -> None:
         for key in ("epochs", "batch_size", "eval_batch_size", "log_every"):

@@ -128,6 +128,31 @@ def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:
 
 
 # ------------------------------------------------------------------------------------------ one task
+def train_step(
+    method: Method,
+    task: Task,
+    rt: Runtime,
+    x_raw: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
+    surgery, clipping, the optimizer step, the method's constraints. Returns the detached loss (no host sync)."""
+    x = rt.train_tf(x_raw)
+    with rt.autocast:
+        loss, logs = method.training_loss(x, y, task)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    method.after_backward(task)
+    if rt.cfg.trainer.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, rt.cfg.trainer.grad_clip)
+    optimizer.step()
+    method.after_step(task)
+    return loss.detach(), logs
+
+
 def run_task(
     method: Method,
     task: Task,
@@ -157,18 +182,9 @@ def run_task(
         for _ in range(phase.epochs):
             for batch, (x_raw, y) in enumerate(split.batches(cfg.batch_size, shuffle=True)):
                 method.before_step(task, batch, per_epoch)
-                x = rt.train_tf(x_raw)
-                with rt.autocast:
-                    loss, logs = method.training_loss(x, y, task)
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                method.after_backward(task)
-                if cfg.grad_clip:
-                    torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                optimizer.step()
+                loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params)
                 schedule.step()
-                method.after_step(task)
-                running += loss.detach()
+                running += loss
                 step += 1
                 images += len(y)
                 if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
@@ -212,9 +228,20 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
     method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)
+    if cfg.trainer.compile:
+        compile_blocks(method)
     size = cfg.backbone.img_size
     transforms = (DeviceTransform(cfg.data, size, mean, std, train=t) for t in (True, False))
     return method, Runtime(cfg, benchmark, device, *transforms)
+
+
+def compile_blocks(method: Method) -> None:
+    """torch.compile each transformer block in place (parameter names unchanged). Blocks are compiled rather
+    than the whole model because methods call the backbone's parts (forward_features, blocks) directly. A
+    block dynamo cannot compile runs eagerly instead of failing the run."""
+    torch._dynamo.config.suppress_errors = True
+    for block in method.backbone.blocks:
+        block.compile()
 
 
 def header(cfg: RunConfig) -> dict[str, Any]:

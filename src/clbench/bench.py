@@ -1,0 +1,239 @@
+"""`make bench` / `python -m clbench.bench`: training-step throughput of every method against two references.
+
+Each method takes its real training step (:func:`clbench.run.train_step`: device augmentation, loss, backward,
+gradient surgery, optimizer, constraints) on its first task of a synthetic benchmark, with the chosen backbone,
+batch and image size. References on the same device, precision and input size:
+- ``reference/timm_train``: a plain timm ViT with a classifier, cross-entropy, AdamW (fused on CUDA);
+- ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay).
+Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
+runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
+On CUDA, model-FLOP utilisation = FLOPs of one step (torch's FlopCounterMode) / step time / the device's dense
+bf16 peak, which the output states.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
+REFERENCES = ("reference/timm_train", "reference/timm_frozen")
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, per device
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def timed(step: Callable[[], Any], device: torch.device, *, warmup: int, steps: int, repeats: int) -> float:
+    """Median seconds per step."""
+    for _ in range(warmup):
+        step()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    per_step = []
+    for _ in range(repeats):
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync()
+        per_step.append((time.perf_counter() - start) / steps)
+    return statistics.median(per_step)
+
+
+def step_flops(step: Callable[[], Any]) -> int:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        step()
+    return counter.get_total_flops()
+
+
+def overrides(args: argparse.Namespace, method: str) -> list[str]:
+    return [
+        f"method={method}",
+        f"backbone={args.backbone}",
+        f"backbone.img_size={args.image_size}",
+        "data=synthetic_tiny",
+        "data.synthetic_classes=2",
+        f"data.synthetic_train_per_class={args.batch_size}",
+        "data.synthetic_test_per_class=1",
+        "data.tasks=1",
+        f"data.synthetic_image_size={args.image_size}",
+        f"trainer.batch_size={args.batch_size}",
+        f"trainer.device={args.device}",
+        "logger.mode=disabled",
+    ]
+
+
+def method_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], Any], torch.device]:
+    from hydra import compose, initialize_config_dir
+
+    from clbench.cli import config_dir
+    from clbench.config import validate
+    from clbench.run import build_optimizer, build_runtime, train_step
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = validate(compose("config", overrides=overrides(args, name)))
+    method, rt = build_runtime(cfg)
+    task = rt.benchmark.tasks[0]
+    method.before_task(task)
+    phase = method.phases(task, 1)[0]
+    method.before_phase(task, phase)
+    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    split = rt.benchmark.train[0]
+    x, y = split.x[: args.batch_size], split.y[: args.batch_size]
+    method.train()
+    batches = split.num_batches(args.batch_size)
+
+    def step() -> None:
+        method.before_step(task, 0, batches)
+        train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
+
+    return step, rt.device
+
+
+def reference_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], Any], torch.device]:
+    from hydra import compose, initialize_config_dir
+
+    from clbench.backbones import build_backbone
+    from clbench.cli import config_dir
+    from clbench.config import validate
+    from clbench.run import autocast_for, resolve_device
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = validate(compose("config", overrides=overrides(args, "finetune")))
+    device = resolve_device(cfg.trainer.device)
+    model = build_backbone(cfg.backbone).to(device)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    autocast = autocast_for(device, cfg.trainer.precision)
+    if name == "reference/timm_train":
+        model.reset_classifier(10)
+        model.to(device).train()
+        fused = {"fused": True} if device.type == "cuda" else {}
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused)
+        y = torch.randint(0, 10, (args.batch_size,), device=device)
+
+        def step() -> None:
+            with autocast:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+
+        return step, device
+    model.requires_grad_(False)
+    x.requires_grad_(True)
+
+    def frozen_step() -> None:
+        with autocast:
+            out = model.forward_head(model.forward_features(x), pre_logits=True)
+        out.float().sum().backward()
+        x.grad = None
+
+    return frozen_step, device
+
+
+def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One entry, measured in this process (run in a fresh one by :func:`main`)."""
+    torch.manual_seed(0)
+    step, device = (reference_step if name in REFERENCES else method_step)(args, name)
+    seconds = timed(step, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
+    peak = peak_flops(device)
+    mfu = step_flops(step) / seconds / peak if peak else None
+    if device.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {
+        "name": name,
+        "backbone": args.backbone,
+        "batch_size": args.batch_size,
+        "image_size": args.image_size,
+        "images_per_s": round(args.batch_size / seconds, 1),
+        "step_ms": round(1000 * seconds, 2),
+        "peak_mem_mb": round(peak_mem, 1),
+        "mfu": None if mfu is None else round(mfu, 4),
+    }
+
+
+def _child(args: argparse.Namespace, name: str, queue: mp.Queue) -> None:
+    try:
+        queue.put(measure(args, name))
+    except Exception as err:  # reported in the table, the bench goes on
+        queue.put({"name": name, "error": f"{type(err).__name__}: {err}"})
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="clbench-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backbone", default="vit_base_patch16_224" if cuda else "vit_micro")
+    parser.add_argument("--image-size", type=int, default=224 if cuda else 32)
+    parser.add_argument("--batch-size", type=int, default=128 if cuda else 32)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--methods", nargs="+", default=[*METHODS, *REFERENCES], help="entries to measure")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path("bench.json"))
+    args = parser.parse_args(argv)
+    unknown = set(args.methods) - {*METHODS, *REFERENCES}
+    if unknown:
+        parser.error(f"unknown entries {sorted(unknown)}; choose from {[*METHODS, *REFERENCES]}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from rich.table import Table
+
+    from clbench.results import write_atomic
+    from clbench.tracking import console
+
+    args = parse(argv)
+    ctx = mp.get_context("spawn")
+    results = []
+    for name in args.methods:
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_child, args=(args, name, queue))
+        proc.start()
+        proc.join()
+        results.append(queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"})
+        console.print(f"{name}: {results[-1].get('step_ms', results[-1].get('error'))}")
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    report = {"device": label, "peak_bf16_flops": peak_flops(device), "results": results}
+    write_atomic(args.out, json.dumps(report, indent=2))
+    table = Table(title=f"clbench bench on {label} ({args.backbone}, batch {args.batch_size}, {args.image_size}px)")
+    for column in ("entry", "images/s", "step ms", "peak MB", "MFU", "vs timm_train"):
+        table.add_column(column, justify="left" if column == "entry" else "right")
+    ref = next((r for r in results if r["name"] == "reference/timm_train" and "step_ms" in r), None)
+    for r in results:
+        if "error" in r:
+            table.add_row(r["name"], "-", "-", "-", "-", r["error"][:60])
+            continue
+        ratio = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        speed = (f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['peak_mem_mb']:.0f}")
+        table.add_row(r["name"], *speed, mfu, ratio)
+    console.print(table)
+    console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
