@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from clbench.errors import ConfigError
-from clbench.methods.meat import MEAT, drop_control_loss
+from clbench.methods.meat import MEAT, drop_control_loss, hard_gumbel_keep
 from clbench.methods.token_masking import key_masked_attention
 from clbench.run import build_runtime
 from conftest import tiny_config
@@ -90,3 +91,24 @@ def test_storage_counts_ffn_and_token_masks_per_task() -> None:
     for entry in method.storage()["bits_per_task"]:
         assert entry["ffn_masks"] == fc_weights and entry["token_masks"] == patches
         assert entry["head"] == 32 * (method.backbone.num_features * 2 + 2)
+
+
+def test_the_two_way_gumbel_sampler_matches_gumbel_softmax() -> None:
+    """hard_gumbel_keep is F.gumbel_softmax(hard=True)[..., 0] for two categories, with half the noise."""
+    torch.manual_seed(0)
+    logits = torch.tensor([[2.0, 0.0], [-1.0, 0.5]]).repeat(100_000, 1)
+    keep = hard_gumbel_keep(logits, tau=0.5)
+    assert set(keep.unique().tolist()) <= {0.0, 1.0}
+    expected = torch.sigmoid(logits[:2, 0] - logits[:2, 1])  # P(keep) of a Gumbel-max sample, for any tau
+    assert torch.allclose(keep.view(-1, 2).mean(0), expected, atol=0.01)
+    reference = F.gumbel_softmax(logits, tau=0.5, hard=True)[:, 0].view(-1, 2).mean(0)
+    assert torch.allclose(reference, expected, atol=0.01)
+    # straight-through gradient: that of the soft two-way softmax, sigmoid((l0 - l1 + noise) / tau)
+    one = torch.tensor([[0.3, -0.2]], requires_grad=True)
+    torch.manual_seed(1)
+    hard_gumbel_keep(one, tau=0.5).sum().backward()
+    torch.manual_seed(1)
+    u = torch.rand(1)
+    soft = torch.sigmoid((0.5 + torch.log(u) - torch.log1p(-u)) / 0.5)
+    slope = (soft * (1 - soft) / 0.5).item()
+    assert torch.allclose(one.grad, torch.tensor([[slope, -slope]]))
