@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from conftest import TINY
 
@@ -106,3 +110,38 @@ def test_clbench_eval_reproduces_a_saved_run(tmp_path: Path) -> None:
         [sys.executable, "-m", "clbench.reevaluate", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True
     )
     assert missing.returncode == 2 and "not a clbench run folder" in missing.stderr
+
+
+def test_report_over_a_multirun_of_two_methods_and_two_seeds(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    out = clbench(
+        "-m",
+        *TINY,
+        "data.num_tasks=2",
+        "trainer.epochs=1",
+        "method=finetune,joint",
+        "seed=0,1",
+        f"hydra.sweep.dir={sweep}",
+        cwd=tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    failed = sweep / "extra" / "results.json"  # a run that did not finish is listed, not averaged
+    failed.parent.mkdir()
+    failed.write_text(json.dumps({"status": "failed"}))
+    report = subprocess.run(  # noqa: PLW1510
+        [sys.executable, "-m", "clbench.report", str(sweep), "--out", str(tmp_path / "report")],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert report.returncode == 0, report.stderr[-3000:]
+    runs = [json.loads(p.read_text()) for p in sweep.glob("[0-9]*/results.json")]
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    assert sorted(r["method"] for r in rows) == ["finetune", "joint"] and all(r["runs"] == "2" for r in rows)
+    for row in rows:
+        values = [r["metrics"]["cil"]["final_acc"] for r in runs if r["method"] == row["method"]]
+        assert float(row["cil_final_acc_mean"]) == pytest.approx(statistics.fmean(values), abs=1e-4)
+        assert float(row["cil_final_acc_std"]) == pytest.approx(statistics.stdev(values), abs=1e-4)
+    assert "did not finish" in report.stdout and "extra" in report.stdout
+    assert "\\toprule" in (tmp_path / "report.tex").read_text()
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
