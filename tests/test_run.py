@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 from clbench import run as run_module
 from clbench.config import validate
 from clbench.errors import DataError
+from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
 from clbench.run import build_runtime, lr_factor, run_task, train
 from conftest import TINY, compose_config, tiny_config
@@ -106,6 +107,20 @@ def test_a_failing_run_records_the_failure_and_keeps_finished_tasks(
     assert res["status"] == "failed" and "disk on fire" in res["failure"]
     assert len(res["acc_matrix"]["til"]) == 1  # task 0's row survived
     assert not list(tmp_path.glob(".results.json.*"))  # no temp file left behind
+
+
+def test_a_nan_loss_stops_the_run_naming_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real_loss = Finetune.training_loss
+
+    def nan_in_task_1(self, x, y, task):
+        loss, logs = real_loss(self, x, y, task)
+        return (loss * float("nan") if task.id == 1 else loss), logs
+
+    monkeypatch.setattr(Finetune, "training_loss", nan_in_task_1)
+    with pytest.raises(FloatingPointError, match=r"is nan at task 1 \(train phase\), epoch 0, step \d+"):
+        run_tiny(tmp_path, "trainer.eval_random_init=false", "trainer.log_every=1")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["status"] == "failed" and "FloatingPointError" in res["failure"] and len(res["acc_matrix"]["til"]) == 1
 
 
 def test_frozen_backbone_finetune_leaves_backbone_bit_identical() -> None:

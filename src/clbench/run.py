@@ -179,7 +179,7 @@ def run_task(
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, t=total, w=warmup: lr_factor(s, t, w, cfg))
         bar = progress.add_task(f"task {task.id} {phase.name}", total=total) if progress else None
         running = torch.zeros((), device=rt.device)
-        for _ in range(phase.epochs):
+        for epoch in range(phase.epochs):
             for batch, (x_raw, y) in enumerate(split.batches(cfg.batch_size, shuffle=True)):
                 method.before_step(task, batch, per_epoch)
                 loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params)
@@ -190,7 +190,11 @@ def run_task(
                 if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
                     mean_loss = (running / cfg.log_every).item()
                     if not math.isfinite(mean_loss):
-                        raise FloatingPointError(f"loss is {mean_loss} at task {task.id}, {phase.name}, step {step}")
+                        where = f"task {task.id} ({phase.name} phase), epoch {epoch}, step {step}"
+                        raise FloatingPointError(
+                            f"the mean training loss of the last {cfg.log_every} steps is {mean_loss} at {where}; "
+                            "lower trainer.lr or set trainer.grad_clip"
+                        )
                     running.zero_()
                     if tracker:
                         extra = {f"train/{k}": v.item() for k, v in logs.items()}
