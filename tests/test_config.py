@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
 from clbench.cli import config_dir
@@ -62,9 +63,15 @@ def test_bad_values_are_rejected_with_key_value_and_choices(override: str, key: 
     assert override.split("=", 1)[1] in message
 
 
-def test_wrong_type_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"trainer\.epochs"):
-        validate(compose_config("trainer.epochs=many"))
+def test_wrong_type_is_refused_while_composing_and_names_the_key() -> None:
+    with pytest.raises(ConfigCompositionException, match=r"trainer\.epochs=many") as err:
+        compose_config("trainer.epochs=many")
+    assert "trainer.epochs" in str(err.value.__cause__)
+
+
+def test_every_schema_field_is_overridable_even_when_a_yaml_does_not_list_it() -> None:
+    cfg = validate(compose_config("data=digits_5tasks", "data.crop_padding=2", "trainer.compile=true"))
+    assert cfg.data.crop_padding == 2 and cfg.trainer.compile is True
 
 
 def test_unknown_method_key_is_rejected() -> None:

@@ -11,7 +11,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from clbench.config import validate
+from clbench.config import register_schemas, validate
 from clbench.errors import ClbenchError
 
 
@@ -22,6 +22,7 @@ def config_dir() -> Path:
 
 
 log = logging.getLogger("clbench")
+register_schemas()
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hydra.core.config_store import ConfigStore
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -203,6 +204,15 @@ class RunConfig:
 
 
 _GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+
+
+def register_schemas() -> None:
+    """Store each group's dataclass as ``schema/<group>``; every YAML of the group starts from it
+    (``defaults: [/schema/<group>@_here_, _self_]``), so a YAML lists only what it changes and every field,
+    set in the YAML or not, can be overridden from the command line and is type-checked while composing."""
+    store = ConfigStore.instance()
+    for group, schema in _GROUPS.items():
+        store.store(group="schema", name=group, node=schema)
 
 
 def _typed(schema: type, node: Any, key: str) -> Any:
