@@ -12,7 +12,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from clbench.config import register_schemas, validate
-from clbench.errors import ClbenchError
+from clbench.errors import ClbenchError, Preempted
 
 
 def config_dir() -> Path:
@@ -42,6 +42,15 @@ def app(cfg: DictConfig) -> float | None:
             name=hydra_cfg.job.override_dirname or None,
         )
         return results.metrics()["cil"]["final_acc"]
+    except Preempted as err:
+        print(
+            f"\nclbench: {err}. A checkpoint is in {hydra_cfg.runtime.output_dir}; continue with the same command and "
+            "resume=true (and hydra.run.dir set to that folder).",
+            file=sys.stderr,
+        )
+        if multirun:
+            return None
+        sys.exit(0)
     except ClbenchError as err:
         log.error("%s", err)
         print(f"\nclbench: {err}", file=sys.stderr)

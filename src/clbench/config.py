@@ -146,10 +146,11 @@ class TrainerConfig:
     eval_random_init: bool = True  # measure b_j (accuracy before any training) for FWT
     log_every: int = 20  # train-loss logging period in steps (each log is one host sync)
     compile: bool = False  # torch.compile every transformer block (falls back to eager where it cannot)
+    checkpoint_every: int = 1  # epochs between checkpoints (0: only at the end of each task)
 
     def __post_init__(self) -> None:
-        for key in ("epochs", "batch_size", "eval_batch_size", "log_every"):
-            minimum = 0 if key == "epochs" else 1
+        for key in ("epochs", "batch_size", "eval_batch_size", "log_every", "checkpoint_every"):
+            minimum = 0 if key in ("epochs", "checkpoint_every") else 1
             value = getattr(self, key)
             require(value >= minimum, f"trainer.{key}", value, f"an integer >= {minimum}")
         require(self.lr > 0, "trainer.lr", self.lr, "a float > 0")
@@ -201,6 +202,7 @@ class RunConfig:
     method: Any
     method_target: str
     seed: int = 0
+    resume: bool = False
 
 
 _GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
@@ -231,7 +233,7 @@ def _typed(schema: type, node: Any, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
-    allowed = {*_GROUPS, "method", "seed"}
+    allowed = {*_GROUPS, "method", "seed", "resume"}
     unknown = sorted(set(cfg.keys()) - allowed)
     if unknown:
         raise ConfigError(f"Unknown top-level key(s) {unknown}. Allowed: {sorted(allowed)}.")
@@ -248,7 +250,9 @@ def validate(cfg: DictConfig) -> RunConfig:
     method = _typed(method_cls.Config, params, "method")
     seed = cfg.get("seed", 0)
     require(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
-    return RunConfig(**groups, method=method, method_target=target, seed=seed)
+    resume = cfg.get("resume", False)
+    require(isinstance(resume, bool), "resume", resume, "true or false")
+    return RunConfig(**groups, method=method, method_target=target, seed=seed, resume=resume)
 
 
 def as_dict(obj: Any) -> dict[str, Any]:

@@ -15,3 +15,7 @@ class DataError(ClbenchError):
 
 class WeightsError(ClbenchError):
     """Pretrained weights that are missing, unreachable or do not fit the model."""
+
+
+class Preempted(Exception):  # noqa: N818 (not an error: the run stopped on request and can resume)
+    """SIGTERM or SIGINT arrived; a checkpoint of the last finished step was written."""

@@ -44,6 +44,21 @@ class Results:
         self.storage: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}
 
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the results (the rest comes from the config)."""
+        return {
+            "rows": self.rows,
+            "before_task": self.before_task,
+            "random_init": self.random_init,
+            "timing": self.timing,
+            "storage": self.storage,
+            "extra": self.extra,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.rows, self.before_task, self.random_init = state["rows"], state["before_task"], state["random_init"]
+        self.timing, self.storage, self.extra = state["timing"], state["storage"], state["extra"]
+
     @property
     def stages(self) -> int:
         return len(self.rows["til"])

@@ -9,8 +9,11 @@ from __future__ import annotations
 import copy
 import math
 import random
+import signal
+import threading
 import time
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,11 +30,12 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from clbench import __version__
+from clbench import __version__, checkpoint
 from clbench.backbones import build_backbone, input_stats
+from clbench.checkpoint import Cursor, Position
 from clbench.config import RunConfig, TrainerConfig, as_dict
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
-from clbench.errors import ConfigError
+from clbench.errors import ConfigError, Preempted
 from clbench.evaluation import evaluate
 from clbench.methods import Method
 from clbench.results import Results
@@ -153,6 +157,25 @@ def train_step(
     return loss.detach(), logs
 
 
+@contextmanager
+def stop_signals() -> Iterator[Callable[[], bool]]:
+    """While training, SIGTERM and SIGINT (SLURM preemption, Ctrl-C) only raise a flag the loop reads after
+    each step, so it can write a checkpoint and stop cleanly."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    raised: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _frame: raised.append(signum)) for sig in STOP_SIGNALS}
+    try:
+        yield lambda: bool(raised)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
 def run_task(
     method: Method,
     task: Task,
@@ -162,25 +185,46 @@ def run_task(
     tracker: WandbTracker | None = None,
     progress: Progress | None = None,
     step: int = 0,
+    cursor: Cursor | None = None,
+    save: Callable[[Cursor, int], None] | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> tuple[int, int]:
-    """Train ``method`` on ``task`` through its phases; returns (global step, images seen)."""
+    """Train ``method`` on ``task`` through its phases; returns (global step, images seen). With ``cursor`` it
+    continues a task a checkpoint interrupted (the phase's ``before_phase`` has run then); ``save`` writes a
+    checkpoint every ``trainer.checkpoint_every`` epochs and when ``stop`` says a signal arrived."""
     cfg = rt.cfg.trainer
     split = Split.cat([rt.benchmark.train[j] for j in method.train_task_ids(task)])
     per_epoch = split.num_batches(cfg.batch_size)
     images = 0
+    start = cursor or Cursor()
     method.train()
-    for phase in method.phases(task, epochs):
-        method.before_phase(task, phase)
+    for p, phase in enumerate(method.phases(task, epochs)):
+        if p < start.phase:
+            continue
+        resumed = cursor is not None and p == start.phase
+        if not resumed:
+            method.before_phase(task, phase)
         if phase.epochs == 0:
             continue
         optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        params = [q for g in optimizer.param_groups for q in g["params"]]
         total, warmup = phase.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, t=total, w=warmup: lr_factor(s, t, w, cfg))
-        bar = progress.add_task(f"task {task.id} {phase.name}", total=total) if progress else None
+        if resumed and start.optimizer is not None and start.schedule is not None:
+            optimizer.load_state_dict(start.optimizer)
+            schedule.load_state_dict(start.schedule)
+        first_epoch = start.epoch if resumed else 0
+        bar = (
+            progress.add_task(f"task {task.id} {phase.name}", total=total, completed=first_epoch * per_epoch)
+            if progress
+            else None
+        )
         running = torch.zeros((), device=rt.device)
-        for epoch in range(phase.epochs):
-            for batch, (x_raw, y) in enumerate(split.batches(cfg.batch_size, shuffle=True)):
+        for epoch in range(first_epoch, phase.epochs):
+            here = resumed and epoch == start.epoch
+            order = start.order if here and start.order is not None else split.permutation()
+            for batch in range(start.batch if here else 0, per_epoch):
+                x_raw, y = split.batch(order, batch, cfg.batch_size)
                 method.before_step(task, batch, per_epoch)
                 loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params)
                 schedule.step()
@@ -203,14 +247,19 @@ def run_task(
                         progress.update(bar, description=f"task {task.id} {phase.name} loss {mean_loss:.3f}")
                 if progress:
                     progress.advance(bar)
+                if stop is not None and save is not None and stop():
+                    save(Cursor(p, epoch, batch + 1, order, optimizer.state_dict(), schedule.state_dict()), step)
+                    raise Preempted(f"stopped by a signal at task {task.id}, epoch {epoch}, step {step}")
+            if save is not None and cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
+                save(Cursor(p, epoch + 1, 0, None, optimizer.state_dict(), schedule.state_dict()), step)
         if progress:
             progress.remove_task(bar)
     return step, images
 
 
 def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
-    """b_j for FWT: a copy of the untouched method goes through the protocol with zero training steps;
-    task j is evaluated right after its ``before_task`` (fresh head, no training), as in the real run."""
+    """b_j for FWT: a copy of the untouched method goes through the protocol without a training step (also no
+    PackNet retraining); task j is evaluated right after its ``before_task`` (fresh head), as in the real run."""
     probe = copy.deepcopy(method)
     acc: dict[str, list[float]] = {"til": [], "cil": []}
     with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
@@ -218,9 +267,16 @@ def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
             probe.before_task(task)
             for s, values in rt.evaluate(probe, [task.id]).items():
                 acc[s] += values
-            run_task(probe, task, rt, epochs=0)
-            probe.after_task(task)
+            finish_untrained(probe, task)
     return acc
+
+
+def finish_untrained(method: Method, task: Task, epochs: int = 0) -> None:
+    """Take a started task through its phases' transitions and ``after_task`` without a training step
+    (PackNet still prunes): the lifecycle of the random-init probe and of a checkpoint's replay."""
+    for phase in method.phases(task, epochs):
+        method.before_phase(task, phase)
+    method.after_task(task)
 
 
 # ------------------------------------------------------------------------------------------ the run
@@ -261,6 +317,53 @@ def header(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def identity(cfg: RunConfig) -> dict[str, Any]:
+    """What must not change when a run is resumed: method, data, backbone, seed and the optimisation recipe."""
+    keep = ("epochs", "batch_size", "lr", "lr_scale_batch", "optimizer", "momentum", "weight_decay", "schedule")
+    trainer = as_dict(cfg.trainer)
+    return {
+        "method": cfg.method_target,
+        "method_config": as_dict(cfg.method),
+        "data": as_dict(cfg.data),
+        "backbone": as_dict(cfg.backbone),
+        "seed": cfg.seed,
+        "trainer": {k: trainer[k] for k in (*keep, "warmup_epochs", "min_lr", "grad_clip", "precision")},
+    }
+
+
+def replay(method: Method, tasks: list[Task], position: Position, epochs: int) -> None:
+    """Give a fresh method the structure it had at ``position`` (heads, per-task masks and buffers, state
+    machines) by walking the lifecycle without training; a checkpoint's tensors then replace every value."""
+    for task in tasks[: position.task]:
+        method.before_task(task)
+        finish_untrained(method, task, epochs)
+    if position.cursor is not None:
+        task = tasks[position.task]
+        method.before_task(task)
+        for phase in method.phases(task, epochs)[: position.cursor.phase + 1]:
+            method.before_phase(task, phase)
+
+
+def restore(
+    cfg: RunConfig, run_dir: Path, method: Method, rt: Runtime, results: Results
+) -> tuple[Position, str | None]:
+    """Bring ``method`` and ``results`` to the state of ``run_dir``'s checkpoint; refuse another run's."""
+    position, state = checkpoint.load(run_dir)
+    saved, now = state["identity"], identity(cfg)
+    changed = sorted(k for k in now if saved.get(k) != now[k])
+    if changed:
+        raise ConfigError(
+            f"Cannot resume {run_dir}: its checkpoint is for another run ({', '.join(changed)} differ: "
+            f"checkpoint {', '.join(f'{k}={saved.get(k)!r}' for k in changed)}). Resume with the run's own settings, "
+            "or start a new run in another folder."
+        )
+    replay(method, rt.benchmark.tasks, position, cfg.trainer.epochs)
+    method.load_state_dict(state["method"])
+    results.restore(state["results"])
+    checkpoint.restore_rng(state["rng"])
+    return position, state["wandb_id"]
+
+
 def train(
     cfg: RunConfig,
     run_dir: Path,
@@ -269,20 +372,35 @@ def train(
     group: str | None = None,
     name: str | None = None,
 ) -> Results:
-    """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task."""
+    """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task. With
+    ``cfg.resume`` it continues from ``run_dir``'s checkpoint and ends with the same results as an
+    uninterrupted run."""
     run_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.resume:
+        checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before anything is built
     method, rt = build_runtime(cfg)
     benchmark, device = rt.benchmark, rt.device
     results = Results(header(cfg), benchmark.tasks)
     results.header["device"] = str(device)
     if benchmark.splits:
         results.header["data_splits"] = benchmark.splits
-    tracker = WandbTracker(cfg.logger, run_dir, wandb_config, group=group, name=name)
+    position, wandb_id = restore(cfg, run_dir, method, rt, results) if cfg.resume else (Position(0, 0), None)
+    tracker = WandbTracker(cfg.logger, run_dir, wandb_config, group=group, name=name, run_id=wandb_id)
+
+    def save(task_id: int, cursor: Cursor | None, step: int) -> None:
+        payload = {
+            "identity": identity(cfg),
+            "method": method.state_dict(),
+            "results": results.state(),
+            "wandb_id": tracker.run_id,
+        }
+        checkpoint.save(run_dir, Position(task_id, step, cursor), payload)
+
     exit_code = 1
     try:
-        if cfg.trainer.eval_random_init:
+        if cfg.trainer.eval_random_init and not cfg.resume:
             results.random_init = measure_random_init(method, rt)
-        step = 0
+        step = position.step
         columns = (
             TextColumn("{task.description}"),
             BarColumn(),
@@ -290,17 +408,26 @@ def train(
             TimeElapsedColumn(),
             TimeRemainingColumn(),
         )
-        with Progress(*columns, console=console, transient=True) as progress:
-            for task in benchmark.tasks:
-                method.before_task(task)
-                if task.id > 0:
-                    results.before_task["til"][task.id] = rt.evaluate(method, [task.id], ("til",))["til"][0]
-                    results.before_task["cil"][task.id] = (
-                        0.0  # its classes are unseen: no class-incremental guess can hit
-                    )
+        with Progress(*columns, console=console, transient=True) as progress, stop_signals() as stop:
+            for task in benchmark.tasks[position.task :]:
+                cursor = position.cursor if task.id == position.task else None
+                if cursor is None:
+                    method.before_task(task)
+                    if task.id > 0:
+                        results.before_task["til"][task.id] = rt.evaluate(method, [task.id], ("til",))["til"][0]
+                        results.before_task["cil"][task.id] = 0.0  # its classes are unseen: no CIL guess can hit
                 start = time.perf_counter()
                 step, images = run_task(
-                    method, task, rt, epochs=cfg.trainer.epochs, tracker=tracker, progress=progress, step=step
+                    method,
+                    task,
+                    rt,
+                    epochs=cfg.trainer.epochs,
+                    tracker=tracker,
+                    progress=progress,
+                    step=step,
+                    cursor=cursor,
+                    save=lambda c, s, t=task.id: save(t, c, s),
+                    stop=stop,
                 )
                 method.after_task(task)
                 if device.type == "cuda":
@@ -317,6 +444,7 @@ def train(
                 write_run_files(
                     results, run_dir, artifacts={k: v.cpu().contiguous() for k, v in method.artifacts().items()}
                 )
+                save(task.id + 1, None, step)
                 tracker.log_stage(results, run_dir, step)
                 row = results.rows
                 console.print(
@@ -326,6 +454,10 @@ def train(
                 )
         results.status = "finished"
         exit_code = 0
+    except Preempted as err:
+        results.status = "interrupted"
+        results.failure = f"{err}; resume with the same command and resume=true"
+        raise
     except BaseException as err:
         results.status = "failed"
         results.failure = f"{type(err).__name__}: {err}"

@@ -157,8 +157,16 @@ class WandbTracker:
     """A thin W&B session; every call is a no-op when ``logger.mode=disabled``."""
 
     def __init__(
-        self, cfg: LoggerConfig, run_dir: Path, config: dict[str, Any], *, group: str | None, name: str | None
+        self,
+        cfg: LoggerConfig,
+        run_dir: Path,
+        config: dict[str, Any],
+        *,
+        group: str | None,
+        name: str | None,
+        run_id: str | None = None,
     ) -> None:
+        """``run_id``: continue that W&B run (a resumed clbench run keeps its W&B run)."""
         self.run = None
         if cfg.mode == "disabled":
             return
@@ -174,8 +182,14 @@ class WandbTracker:
             group=cfg.group or group,
             name=cfg.name or name,
             tags=list(cfg.tags),
+            id=run_id,
+            resume="allow" if run_id else None,
             settings=wandb.Settings(quiet=True, console="off"),
         )
+
+    @property
+    def run_id(self) -> str | None:
+        return self.run.id if self.run is not None else None
 
     def log(self, data: dict[str, Any], step: int) -> None:
         if self.run is not None:

@@ -55,12 +55,21 @@ class Split:
     def num_batches(self, batch_size: int) -> int:
         return -(-len(self) // batch_size)
 
+    def permutation(self) -> torch.Tensor:
+        """A fresh epoch order, drawn on the data's device."""
+        return torch.randperm(len(self), device=self.y.device)
+
+    def batch(self, order: torch.Tensor | None, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``index`` of an epoch in ``order`` (None: the stored order)."""
+        start = index * batch_size
+        idx = order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
+        return self.x[idx], self.y[idx]
+
     def batches(self, batch_size: int, *, shuffle: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Slices of one epoch; with ``shuffle``, a fresh permutation drawn on the data's device."""
-        order = torch.randperm(len(self), device=self.y.device) if shuffle else None
-        for start in range(0, len(self), batch_size):
-            idx = order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
-            yield self.x[idx], self.y[idx]
+        """The batches of one epoch; with ``shuffle``, in a fresh permutation."""
+        order = self.permutation() if shuffle else None
+        for index in range(self.num_batches(batch_size)):
+            yield self.batch(order, index, batch_size)
 
 
 @dataclass

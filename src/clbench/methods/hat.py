@@ -189,7 +189,6 @@ class HAT(Method):
     def before_task(self, task: Task) -> None:
         super().before_task(task)
         self._add_embedding({key: torch.randn(n) for key, n in self.units.items()})  # N(0, 1), the paper's init
-        self._multipliers = [self.multiplier(p) for p in self.protected]
 
     def _add_embedding(self, values: dict[str, torch.Tensor]) -> None:
         device = self.backbone.cls_token.device
@@ -205,6 +204,7 @@ class HAT(Method):
         for p in self.backbone.parameters():
             p.requires_grad_(task.id == 0 or id(p) in guarded)
         backbone = [p for p in self.backbone.parameters() if p.requires_grad]
+        self._multipliers = [self.multiplier(p) for p in self.protected]  # a^{<t} is fixed while task t trains
         return [
             {"params": list(self.heads[task.id].parameters())},
             {"params": list(self.embeddings[task.id].values()), "weight_decay": 0.0},

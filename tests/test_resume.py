@@ -1,0 +1,162 @@
+"""Checkpoints and resume: a run stopped anywhere (crash, SIGKILL, SIGTERM) continues to the same results."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from clbench import checkpoint
+from clbench import run as run_module
+from clbench.errors import ConfigError, DataError
+from clbench.run import Runtime, train
+from conftest import TINY, tiny_config
+
+CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2")
+
+
+def matrices(results_json: Path) -> dict:
+    res = json.loads(results_json.read_text())
+    return {k: res[k] for k in ("acc_matrix", "before_task_acc", "random_init_acc", "status")}
+
+
+@pytest.mark.parametrize(
+    ("method", "crash_at"),
+    [
+        ("finetune", ("step", 5)),  # mid-task (task 0, epoch 1)
+        ("finetune", ("evaluate", 5)),  # between tasks: 3 random-init probes, task 0, then task 1 before training
+        ("packnet", ("step", 13)),  # task 0's retrain phase
+        ("hat", ("step", 11)),
+        ("meat", ("step", 9)),
+        ("l2p", ("step", 14)),
+        ("supsup", ("step", 7)),
+    ],
+)
+def test_resume_after_a_crash_gives_the_uninterrupted_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, crash_at: tuple[str, int]
+) -> None:
+    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
+    overrides = (f"method={method}", *CHECKPOINTED, *extra)
+    train(tiny_config(*overrides), tmp_path / "whole", {})
+    expected = matrices(tmp_path / "whole" / "results.json")
+
+    where, count = crash_at
+    calls = {"n": 0}
+    real = run_module.train_step if where == "step" else Runtime.evaluate
+
+    def crashing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == count:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    if where == "step":
+        monkeypatch.setattr(run_module, "train_step", crashing)
+    else:
+        monkeypatch.setattr(Runtime, "evaluate", crashing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(tiny_config(*overrides), tmp_path / "cut", {})
+    monkeypatch.undo()
+    assert matrices(tmp_path / "cut" / "results.json")["status"] == "failed"
+    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut", {})
+    assert matrices(tmp_path / "cut" / "results.json") == expected
+
+
+def clbench_killing_itself(run_dir: Path, kill: str, after: int, *overrides: str) -> subprocess.CompletedProcess:
+    """Run clbench in a process that sends itself ``kill`` (KILL: after its ``after``-th checkpoint; TERM: at
+    its ``after``-th training step)."""
+    script = f"""
+import os, signal, sys
+import clbench.checkpoint as ckpt, clbench.run as run
+count = {{"n": 0}}
+if "{kill}" == "KILL":
+    real = ckpt.save
+    def save(*a, **k):
+        real(*a, **k)
+        count["n"] += 1
+        if count["n"] == {after}:
+            os.kill(os.getpid(), signal.SIGKILL)
+    ckpt.save = save
+else:
+    real = run.train_step
+    def step(*a, **k):
+        count["n"] += 1
+        if count["n"] == {after}:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+    run.train_step = step
+sys.argv = ["clbench", *{list(overrides)!r}, "hydra.run.dir={run_dir}"]
+from clbench.cli import main
+main()
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(  # noqa: PLW1510
+        [sys.executable, "-c", script], cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def clbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(  # noqa: PLW1510
+        [sys.executable, "-m", "clbench", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
+    overrides = (*TINY, *CHECKPOINTED, "logger.mode=offline")
+    whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    expected = matrices(tmp_path / "whole" / "results.json")
+    # checkpoints per task: after epoch 0 (mid-task), after epoch 1, after the task (between tasks)
+    for name, after in (("mid_task", 4), ("between_tasks", 6)):
+        run_dir = tmp_path / name
+        killed = clbench_killing_itself(run_dir, "KILL", after, *overrides)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        position, _ = checkpoint.load(run_dir)
+        assert (position.cursor is None) == (name == "between_tasks")
+        resumed = clbench(*overrides, "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert matrices(run_dir / "results.json") == expected, name
+
+
+def test_sigterm_writes_a_checkpoint_mid_epoch_and_exits_cleanly(tmp_path: Path) -> None:
+    overrides = (*TINY, *CHECKPOINTED, "logger.mode=disabled")
+    train(tiny_config(*CHECKPOINTED), tmp_path / "whole", {})
+    expected = matrices(tmp_path / "whole" / "results.json")
+    run_dir = tmp_path / "term"
+    stopped = clbench_killing_itself(run_dir, "TERM", 9, *overrides)  # task 1, inside its first epoch
+    assert stopped.returncode == 0, stopped.stderr[-2000:]
+    assert "resume=true" in stopped.stderr
+    assert json.loads((run_dir / "results.json").read_text())["status"] == "interrupted"
+    position, _ = checkpoint.load(run_dir)
+    assert position.task == 1 and position.cursor is not None and position.cursor.batch > 0
+    resumed = clbench(*overrides, "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert matrices(run_dir / "results.json") == expected
+
+
+def test_resume_refuses_another_run_and_a_corrupt_checkpoint(tmp_path: Path) -> None:
+    train(tiny_config(*CHECKPOINTED, "data.num_tasks=1"), tmp_path, {})
+    with pytest.raises(ConfigError, match=r"Cannot resume .*method"):
+        train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "method=joint", "resume=true"), tmp_path, {})
+    path = tmp_path / checkpoint.FILE
+    path.write_bytes(path.read_bytes()[:100])  # truncated
+    before = path.read_bytes()
+    with pytest.raises(DataError, match=r"checkpoint\.pt is corrupt"):
+        train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=true"), tmp_path, {})
+    assert path.read_bytes() == before  # nothing overwritten
+    with pytest.raises(DataError, match=r"does not exist"):
+        train(tiny_config(*CHECKPOINTED, "resume=true"), tmp_path / "empty", {})
+
+
+def test_the_checkpoint_loads_with_weights_only() -> None:
+    state = {"rng": checkpoint.rng_state(), "x": torch.ones(2)}
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / "clbench_weights_only_probe.pt"
+    torch.save(state, path)
+    assert torch.load(path, weights_only=True)["x"].sum() == 2
+    path.unlink()
