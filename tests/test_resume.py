@@ -122,6 +122,8 @@ def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
         resumed = clbench(*overrides, "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stderr[-2000:]
         assert matrices(run_dir / "results.json") == expected, name
+        runs = sorted((run_dir / "wandb").glob("offline-run-*"))
+        assert len(runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in runs}) == 1  # the same W&B run id
 
 
 def test_sigterm_writes_a_checkpoint_mid_epoch_and_exits_cleanly(tmp_path: Path) -> None:
@@ -160,3 +162,20 @@ def test_the_checkpoint_loads_with_weights_only() -> None:
     torch.save(state, path)
     assert torch.load(path, weights_only=True)["x"].sum() == 2
     path.unlink()
+
+
+def test_an_unwritable_output_folder_is_refused_before_training(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(ConfigError, match=r"Cannot write in the output folder .*hydra\.run\.dir"):
+        train(tiny_config(), blocker / "run", {})
+
+
+def test_online_logging_without_network_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    cfg = tiny_config("data.num_tasks=1", "trainer.epochs=1", "logger.mode=online", "logger.online_timeout=5")
+    results = train(cfg, tmp_path, {})
+    assert results.status == "finished"
+    assert list((tmp_path / "wandb").glob("offline-run-*"))

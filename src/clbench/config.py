@@ -186,9 +186,11 @@ class LoggerConfig:
     group: str | None = None  # null: the multirun's sweep folder name, so a sweep's jobs are grouped
     name: str | None = None  # null: the job's overrides, e.g. method=meat,seed=1
     tags: list[str] = field(default_factory=list)
+    online_timeout: float = 30.0  # seconds online mode may take to connect before falling back to offline
 
     def __post_init__(self) -> None:
         require_choice("logger.mode", self.mode, ("offline", "online", "disabled"))
+        require(self.online_timeout > 0, "logger.online_timeout", self.online_timeout, "a float > 0 (seconds)")
 
 
 @dataclass

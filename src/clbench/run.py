@@ -38,7 +38,7 @@ from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmar
 from clbench.errors import ConfigError, Preempted
 from clbench.evaluation import evaluate
 from clbench.methods import Method
-from clbench.results import Results
+from clbench.results import Results, write_atomic
 from clbench.tracking import WandbTracker, console, print_summary, write_run_files
 
 
@@ -317,6 +317,19 @@ def header(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
+def check_writable(run_dir: Path) -> None:
+    """Refuse an output folder that cannot be written before any work starts."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(run_dir / ".clbench_write_test", b"")
+        (run_dir / ".clbench_write_test").unlink()
+    except OSError as err:
+        raise ConfigError(
+            f"Cannot write in the output folder {run_dir} ({type(err).__name__}: {err.strerror or err}). "
+            "Choose another with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m), or free space there."
+        ) from None
+
+
 def identity(cfg: RunConfig) -> dict[str, Any]:
     """What must not change when a run is resumed: method, data, backbone, seed and the optimisation recipe."""
     keep = ("epochs", "batch_size", "lr", "lr_scale_batch", "optimizer", "momentum", "weight_decay", "schedule")
@@ -375,7 +388,7 @@ def train(
     """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task. With
     ``cfg.resume`` it continues from ``run_dir``'s checkpoint and ends with the same results as an
     uninterrupted run."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    check_writable(run_dir)
     if cfg.resume:
         checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before anything is built
     method, rt = build_runtime(cfg)

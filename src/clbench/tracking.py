@@ -173,10 +173,9 @@ class WandbTracker:
         import wandb
 
         self._wandb = wandb
-        self.run = wandb.init(
+        options = dict(
             project=cfg.project,
             entity=cfg.entity,
-            mode=cfg.mode,
             dir=str(run_dir),
             config=config,
             group=cfg.group or group,
@@ -184,8 +183,18 @@ class WandbTracker:
             tags=list(cfg.tags),
             id=run_id,
             resume="allow" if run_id else None,
-            settings=wandb.Settings(quiet=True, console="off"),
         )
+        settings = wandb.Settings(quiet=True, console="off", init_timeout=cfg.online_timeout)
+        try:
+            self.run = wandb.init(mode=cfg.mode, settings=settings, **options)
+        except Exception as err:  # no network, no API key, server down: the run must not be lost to logging
+            if cfg.mode != "online":
+                raise
+            console.print(
+                f"[yellow]W&B online logging unavailable ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
+                f"logging offline into {run_dir / 'wandb'} instead (upload later with `wandb sync`).[/yellow]"
+            )
+            self.run = wandb.init(mode="offline", settings=wandb.Settings(quiet=True, console="off"), **options)
 
     @property
     def run_id(self) -> str | None:
