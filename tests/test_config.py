@@ -16,7 +16,7 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
 
 
-@pytest.mark.parametrize("group", ["data", "backbone", "trainer", "logger", "method"])
+@pytest.mark.parametrize("group", ["data", "backbone", "trainer", "logger", "method", "experiment", "hparams_search"])
 def test_every_group_option_composes_and_validates(group: str) -> None:
     assert options(group), f"no options in conf/{group}"
     for name in options(group):
@@ -53,6 +53,9 @@ def test_method_recipe_overrides_trainer_defaults_and_cli_overrides_both() -> No
         ("data.train_crop=zoom", "data.train_crop", "pad, resized, none"),
         ("backbone.weights=model.txt", "backbone.weights", ".safetensors"),
         ("method.loss_scope=all", "method.loss_scope", "seen, task"),
+        ("objective=cil.accuracy", "objective", "<til|cil>.<final_acc|"),
+        ("objective=final_acc", "objective", "<til|cil>."),
+        ("resume=maybe", "resume", "true, false or auto"),
     ],
 )
 def test_bad_values_are_rejected_with_key_value_and_choices(override: str, key: str, allowed: str) -> None:

@@ -18,6 +18,7 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from clbench import metrics
 from clbench.errors import ConfigError
 
 
@@ -204,7 +205,8 @@ class RunConfig:
     method: Any
     method_target: str
     seed: int = 0
-    resume: bool = False
+    resume: bool | str = False  # True | False | "auto" (resume only where a checkpoint exists)
+    objective: str = "cil.final_acc"  # the metric a job returns to a sweeper
 
 
 _GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
@@ -235,7 +237,7 @@ def _typed(schema: type, node: Any, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
-    allowed = {*_GROUPS, "method", "seed", "resume"}
+    allowed = {*_GROUPS, "method", "seed", "resume", "objective"}
     unknown = sorted(set(cfg.keys()) - allowed)
     if unknown:
         raise ConfigError(f"Unknown top-level key(s) {unknown}. Allowed: {sorted(allowed)}.")
@@ -253,8 +255,16 @@ def validate(cfg: DictConfig) -> RunConfig:
     seed = cfg.get("seed", 0)
     require(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
     resume = cfg.get("resume", False)
-    require(isinstance(resume, bool), "resume", resume, "true or false")
-    return RunConfig(**groups, method=method, method_target=target, seed=seed, resume=resume)
+    require(isinstance(resume, bool) or resume == "auto", "resume", resume, "true, false or auto")
+    objective = cfg.get("objective", "cil.final_acc")
+    scenario, _, name = str(objective).partition(".")
+    require(
+        scenario in ("til", "cil") and name in metrics.NAMES,
+        "objective",
+        objective,
+        f"<til|cil>.<{'|'.join(metrics.NAMES)}>",
+    )
+    return RunConfig(**groups, method=method, method_target=target, seed=seed, resume=resume, objective=str(objective))
 
 
 def as_dict(obj: Any) -> dict[str, Any]:

@@ -83,6 +83,9 @@ def fwt(before_task: Sequence[float | None], random_init: Sequence[float | None]
     return float(np.mean([before_task[j] - random_init[j] for j in range(1, len(before_task))]))
 
 
+NAMES = ("final_acc", "avg_incremental_acc", "forgetting", "forgetting_l2p", "bwt", "fwt")  # summary()'s keys
+
+
 def summary(
     matrix: Matrix, before_task: Sequence[float | None], random_init: Sequence[float | None] | None
 ) -> dict[str, float | None]:
