@@ -68,12 +68,17 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
 
 
 def clbench_killing_itself(run_dir: Path, kill: str, after: int, *overrides: str) -> subprocess.CompletedProcess:
-    """Run clbench in a process that sends itself ``kill`` (KILL: after its ``after``-th checkpoint; TERM: at
-    its ``after``-th training step)."""
+    """Run clbench in a process that sends itself ``kill`` (KILL: after its ``after``-th checkpoint; TERM or USR2:
+    at its ``after``-th training step). For USR2 a stand-in for submitit's handler is installed first: it records
+    the call in ``requeued`` (where submitit requeues the job) and exits as submitit does."""
     script = f"""
 import os, signal, sys
 import clbench.checkpoint as ckpt, clbench.run as run
 count = {{"n": 0}}
+def requeue(signum, frame):
+    open("{run_dir.parent / "requeued"}", "w").write(str(os.path.exists("{run_dir / "checkpoint.pt"}")))
+    sys.exit(-1)
+signal.signal(signal.SIGUSR2, requeue)
 if "{kill}" == "KILL":
     real = ckpt.save
     def save(*a, **k):
@@ -87,7 +92,7 @@ else:
     def step(*a, **k):
         count["n"] += 1
         if count["n"] == {after}:
-            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), getattr(signal, "SIG{kill}"))
         return real(*a, **k)
     run.train_step = step
 sys.argv = ["clbench", *{list(overrides)!r}, "hydra.run.dir={run_dir}"]
@@ -140,6 +145,36 @@ def test_sigterm_writes_a_checkpoint_mid_epoch_and_exits_cleanly(tmp_path: Path)
     resumed = clbench(*overrides, "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert matrices(run_dir / "results.json") == expected
+
+
+def test_a_slurm_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path) -> None:
+    overrides = (*TINY, *CHECKPOINTED, "logger.mode=disabled")
+    train(tiny_config(*CHECKPOINTED), tmp_path / "whole", {})
+    expected = matrices(tmp_path / "whole" / "results.json")
+    run_dir = tmp_path / "job"
+    stopped = clbench_killing_itself(run_dir, "USR2", 9, *overrides)  # submitit's signal before the time limit
+    assert stopped.returncode == 255, stopped.stderr[-2000:]  # submitit's handler exits with -1 after requeueing
+    assert (tmp_path / "requeued").read_text() == "True"  # the handler ran after the checkpoint was written
+    position, _ = checkpoint.load(run_dir)
+    assert position.task == 1 and position.cursor is not None
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SLURM_RESTART_COUNT": "1"}  # the requeued job: no resume=true
+    again = subprocess.run(  # noqa: PLW1510
+        [sys.executable, "-m", "clbench", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert matrices(run_dir / "results.json") == expected
+
+
+def test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(tmp_path: Path) -> None:
+    fresh = train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=auto"), tmp_path, {})
+    assert fresh.status == "finished"
+    again = train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=auto"), tmp_path, {})
+    assert again.rows == fresh.rows and again.timing["train_s"] == fresh.timing["train_s"]  # nothing retrained
 
 
 def test_resume_refuses_another_run_and_a_corrupt_checkpoint(tmp_path: Path) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -11,7 +15,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from clbench.config import register_schemas, validate
+from clbench import distributed
+from clbench.config import RunConfig, register_schemas, validate
 from clbench.errors import ClbenchError, Preempted
 
 
@@ -25,46 +30,81 @@ log = logging.getLogger("clbench")
 register_schemas()
 
 
+def requeued(cfg: RunConfig) -> RunConfig:
+    """A SLURM job requeued after preemption or a time limit (SLURM_RESTART_COUNT >= 1) resumes from the
+    checkpoint in its folder where there is one (``resume=auto``) instead of starting over."""
+    if cfg.resume is False and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        log.info("requeued SLURM job: resume=auto")
+        return dataclasses.replace(cfg, resume="auto")
+    return cfg
+
+
+def hand_on(signum: int) -> None:
+    """Give a stop signal to the handler a launcher installed for it (submitit requeues the job on SIGUSR2), now
+    that the checkpoint is written. Default handlers are left alone: the run has already stopped cleanly."""
+    handler = signal.getsignal(signum)
+    if callable(handler) and handler is not signal.default_int_handler:
+        handler(signum, None)
+
+
+def objective(results: dict[str, dict[str, float | None]], key: str) -> float:
+    """The metric ``key`` (e.g. ``cil.final_acc``) of a finished run; NaN where it is undefined."""
+    scenario, name = key.split(".")
+    value = results[scenario][name]
+    return math.nan if value is None else float(value)
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def app(cfg: DictConfig) -> float | None:
-    """One job: returns the CIL final accuracy (the value a Hydra sweeper optimises)."""
+    """One job. Returns ``objective`` (default: the CIL final accuracy), the value a Hydra sweeper (Optuna)
+    optimises; a job that fails in a sweep returns NaN, which Optuna records as a failed trial."""
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
-        run_cfg = validate(cfg)
+        run_cfg = requeued(validate(cfg))
+        ranks = distributed.init(run_cfg.trainer.device)
         from clbench.run import train  # heavy imports (torch, timm) only once the config is known to be valid
 
+        run_dir = Path(ranks.broadcast(hydra_cfg.runtime.output_dir))  # torchrun: rank 0's folder for every rank
         results = train(
             run_cfg,
-            Path(hydra_cfg.runtime.output_dir),
+            run_dir,
             OmegaConf.to_container(cfg, resolve=True),
-            group=Path(hydra_cfg.sweep.dir).name if multirun else None,
+            group="-".join(Path(hydra_cfg.sweep.dir).parts[-2:]) if multirun else None,
             name=hydra_cfg.job.override_dirname or None,
         )
-        return results.metrics()["cil"]["final_acc"]
+        return objective(results.metrics(), run_cfg.objective)
     except Preempted as err:
         print(
             f"\nclbench: {err}. A checkpoint is in {hydra_cfg.runtime.output_dir}; continue with the same command and "
             "resume=true (and hydra.run.dir set to that folder).",
             file=sys.stderr,
         )
+        hand_on(err.signum)
         if multirun:
-            return None
+            return math.nan
         sys.exit(0)
     except ClbenchError as err:
         log.error("%s", err)
         print(f"\nclbench: {err}", file=sys.stderr)
         if multirun:  # one bad job must not end the sweep; its results.json (if any) says failed
-            return None
+            return math.nan
         sys.exit(2)
     except Exception:
         if not multirun:
             raise
         log.exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
-        return None
+        return math.nan
+    finally:
+        distributed.shutdown()
 
 
 def main() -> None:
+    if distributed.launched_by_torchrun():
+        if {"-m", "--multirun"} & set(sys.argv[1:]):
+            sys.exit("clbench: torchrun runs one job over several processes; run sweeps with -m without torchrun.")
+        if int(os.environ.get("RANK", "0")) > 0:  # rank 0 owns the run folder and the logs; its path is broadcast
+            sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra.run.dir=."]
     app()
 
 

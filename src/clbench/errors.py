@@ -18,4 +18,8 @@ class WeightsError(ClbenchError):
 
 
 class Preempted(Exception):  # noqa: N818 (not an error: the run stopped on request and can resume)
-    """SIGTERM or SIGINT arrived; a checkpoint of the last finished step was written."""
+    """A stop signal arrived (``signum``); a checkpoint of the last finished step was written."""
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.signum = signum

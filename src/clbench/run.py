@@ -7,6 +7,7 @@ phases of epochs -> ``after_task`` -> evaluate every seen task in both scenarios
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import random
 import signal
@@ -29,12 +30,14 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from torch import nn
 
-from clbench import __version__, checkpoint
+from clbench import __version__, checkpoint, distributed
 from clbench.backbones import build_backbone, input_stats
 from clbench.checkpoint import Cursor, Position
 from clbench.config import RunConfig, TrainerConfig, as_dict
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
+from clbench.distributed import Ranks
 from clbench.errors import ConfigError, Preempted
 from clbench.evaluation import evaluate
 from clbench.methods import Method
@@ -55,7 +58,7 @@ def resolve_device(name: str) -> torch.device:
         )
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
+    return torch.device("cuda", torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def autocast_for(device: torch.device, precision: str) -> AbstractContextManager:
@@ -66,13 +69,14 @@ def autocast_for(device: torch.device, precision: str) -> AbstractContextManager
 
 @dataclass
 class Runtime:
-    """What the loop needs besides the method: data, transforms, device and precision."""
+    """What the loop needs besides the method: data, transforms, device, precision and the process's rank."""
 
     cfg: RunConfig
     benchmark: Benchmark
     device: torch.device
     train_tf: DeviceTransform
     test_tf: DeviceTransform
+    ranks: Ranks
 
     @property
     def autocast(self) -> AbstractContextManager:
@@ -88,6 +92,7 @@ class Runtime:
             batch_size=bs,
             autocast=self.autocast,
             scenarios=scenarios,
+            ranks=self.ranks,
         )
 
 
@@ -132,6 +137,17 @@ def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:
 
 
 # ------------------------------------------------------------------------------------------ one task
+class TaskLoss(nn.Module):
+    """``method.training_loss`` on one task as a module: the unit DDP wraps to average gradients over ranks."""
+
+    def __init__(self, method: Method, task: Task) -> None:
+        super().__init__()
+        self.method, self.task = method, task
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.method.training_loss(x, y, self.task)
+
+
 def train_step(
     method: Method,
     task: Task,
@@ -141,12 +157,19 @@ def train_step(
     *,
     optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],
+    model: nn.Module | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
-    surgery, clipping, the optimizer step, the method's constraints. Returns the detached loss (no host sync)."""
-    x = rt.train_tf(x_raw)
+    surgery, clipping, the optimizer step, the method's constraints. Returns the detached loss (no host sync).
+    ``model``: the DDP-wrapped :class:`TaskLoss` of a multi-process run; this rank trains on its share of the
+    batch, its loss weighted so that the averaged gradients are the whole batch's."""
+    part, weight = rt.ranks.shard(len(y))
+    x = rt.train_tf(x_raw, part)
     with rt.autocast:
-        loss, logs = method.training_loss(x, y, task)
+        y = y[part]
+        loss, logs = model(x, y) if model is not None else method.training_loss(x, y, task)
+    if weight != 1.0:
+        loss = loss * weight
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     method.after_backward(task)
@@ -158,16 +181,21 @@ def train_step(
 
 
 @contextmanager
-def stop_signals() -> Iterator[Callable[[], bool]]:
-    """While training, SIGTERM and SIGINT (SLURM preemption, Ctrl-C) only raise a flag the loop reads after
-    each step, so it can write a checkpoint and stop cleanly."""
+def stop_signals() -> Iterator[Callable[[], int | None]]:
+    """While training, SIGTERM and SIGINT (SLURM preemption, Ctrl-C) only record the signal, which the loop reads
+    after each step, so it can write a checkpoint and stop cleanly. SIGUSR2 (submitit's time-limit and preemption
+    signal) is caught too where a launcher installed a handler for it; the CLI hands it on after the checkpoint,
+    so the launcher requeues the job."""
     if threading.current_thread() is not threading.main_thread():
-        yield lambda: False
+        yield lambda: None
         return
     raised: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: raised.append(signum)) for sig in STOP_SIGNALS}
+    requeue = [signal.SIGUSR2] if callable(signal.getsignal(signal.SIGUSR2)) else []
+    previous = {
+        sig: signal.signal(sig, lambda signum, _frame: raised.append(signum)) for sig in (*STOP_SIGNALS, *requeue)
+    }
     try:
-        yield lambda: bool(raised)
+        yield lambda: raised[0] if raised else None
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -187,7 +215,7 @@ def run_task(
     step: int = 0,
     cursor: Cursor | None = None,
     save: Callable[[Cursor, int], None] | None = None,
-    stop: Callable[[], bool] | None = None,
+    stop: Callable[[], int | None] | None = None,
 ) -> tuple[int, int]:
     """Train ``method`` on ``task`` through its phases; returns (global step, images seen). With ``cursor`` it
     continues a task a checkpoint interrupted (the phase's ``before_phase`` has run then); ``save`` writes a
@@ -208,6 +236,7 @@ def run_task(
             continue
         optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
         params = [q for g in optimizer.param_groups for q in g["params"]]
+        model = rt.ranks.wrap(TaskLoss(method, task), rt.device) if rt.ranks.size > 1 else None
         total, warmup = phase.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, t=total, w=warmup: lr_factor(s, t, w, cfg))
         if resumed and start.optimizer is not None and start.schedule is not None:
@@ -226,13 +255,16 @@ def run_task(
             for batch in range(start.batch if here else 0, per_epoch):
                 x_raw, y = split.batch(order, batch, cfg.batch_size)
                 method.before_step(task, batch, per_epoch)
-                loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params)
+                loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params, model=model)
                 schedule.step()
                 running += loss
                 step += 1
                 images += len(y)
+                signum = stop() if stop is not None else None
+                if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
+                    signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
                 if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
-                    mean_loss = (running / cfg.log_every).item()
+                    mean_loss = rt.ranks.sum_(running / (cfg.log_every * rt.ranks.size)).item()
                     if not math.isfinite(mean_loss):
                         where = f"task {task.id} ({phase.name} phase), epoch {epoch}, step {step}"
                         raise FloatingPointError(
@@ -247,9 +279,10 @@ def run_task(
                         progress.update(bar, description=f"task {task.id} {phase.name} loss {mean_loss:.3f}")
                 if progress:
                     progress.advance(bar)
-                if stop is not None and save is not None and stop():
+                if signum is not None and save is not None:
                     save(Cursor(p, epoch, batch + 1, order, optimizer.state_dict(), schedule.state_dict()), step)
-                    raise Preempted(f"stopped by a signal at task {task.id}, epoch {epoch}, step {step}")
+                    name = signal.Signals(signum).name
+                    raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
             if save is not None and cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
                 save(Cursor(p, epoch + 1, 0, None, optimizer.state_dict(), schedule.state_dict()), step)
         if progress:
@@ -292,7 +325,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
         compile_blocks(method)
     size = cfg.backbone.img_size
     transforms = (DeviceTransform(cfg.data, size, mean, std, train=t) for t in (True, False))
-    return method, Runtime(cfg, benchmark, device, *transforms)
+    return method, Runtime(cfg, benchmark, device, *transforms, ranks=distributed.current())
 
 
 def compile_blocks(method: Method) -> None:
@@ -386,10 +419,14 @@ def train(
     name: str | None = None,
 ) -> Results:
     """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task. With
-    ``cfg.resume`` it continues from ``run_dir``'s checkpoint and ends with the same results as an
-    uninterrupted run."""
-    check_writable(run_dir)
-    if cfg.resume:
+    ``cfg.resume`` (true, or auto where a checkpoint exists) it continues from ``run_dir``'s checkpoint and ends
+    with the same results as an uninterrupted run. In a multi-process run (torchrun) every rank trains and
+    evaluates its share; only rank 0 writes the folder, the checkpoints and W&B."""
+    main = distributed.current().is_main
+    if main:
+        check_writable(run_dir)
+    resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
+    if resuming:
         checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before anything is built
     method, rt = build_runtime(cfg)
     benchmark, device = rt.benchmark, rt.device
@@ -397,10 +434,14 @@ def train(
     results.header["device"] = str(device)
     if benchmark.splits:
         results.header["data_splits"] = benchmark.splits
-    position, wandb_id = restore(cfg, run_dir, method, rt, results) if cfg.resume else (Position(0, 0), None)
-    tracker = WandbTracker(cfg.logger, run_dir, wandb_config, group=group, name=name, run_id=wandb_id)
+    position, wandb_id = restore(cfg, run_dir, method, rt, results) if resuming else (Position(0, 0), None)
+    logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
+    tracker = WandbTracker(logger, run_dir, wandb_config, group=group, name=name, run_id=wandb_id)
+    results.header["wandb"] = tracker.identity()
 
     def save(task_id: int, cursor: Cursor | None, step: int) -> None:
+        if not main:
+            return
         payload = {
             "identity": identity(cfg),
             "method": method.state_dict(),
@@ -411,7 +452,7 @@ def train(
 
     exit_code = 1
     try:
-        if cfg.trainer.eval_random_init and not cfg.resume:
+        if cfg.trainer.eval_random_init and not resuming:
             results.random_init = measure_random_init(method, rt)
         step = position.step
         columns = (
@@ -421,7 +462,8 @@ def train(
             TimeElapsedColumn(),
             TimeRemainingColumn(),
         )
-        with Progress(*columns, console=console, transient=True) as progress, stop_signals() as stop:
+        progress_bars = Progress(*columns, console=console, transient=True, disable=not main)
+        with progress_bars as progress, stop_signals() as stop:
             for task in benchmark.tasks[position.task :]:
                 cursor = position.cursor if task.id == position.task else None
                 if cursor is None:
@@ -454,10 +496,12 @@ def train(
                 results.timing["train_images_per_s"].append(round(images / train_s, 1) if train_s > 0 else None)
                 results.storage = method.storage()
                 results.extra = method.extra_results()
-                write_run_files(
-                    results, run_dir, artifacts={k: v.cpu().contiguous() for k, v in method.artifacts().items()}
-                )
+                if main:
+                    artifacts = {k: v.cpu().contiguous() for k, v in method.artifacts().items()}
+                    write_run_files(results, run_dir, artifacts=artifacts)
                 save(task.id + 1, None, step)
+                if not main:
+                    continue
                 tracker.log_stage(results, run_dir, step)
                 row = results.rows
                 console.print(
@@ -476,7 +520,9 @@ def train(
         results.failure = f"{type(err).__name__}: {err}"
         raise
     finally:
-        write_run_files(results, run_dir, heatmaps=results.stages > 0)
+        if main:
+            write_run_files(results, run_dir, heatmaps=results.stages > 0)
         tracker.finish(results, exit_code)
-    print_summary(results, run_dir)
+    if main:
+        print_summary(results, run_dir)
     return results

@@ -200,6 +200,12 @@ class WandbTracker:
     def run_id(self) -> str | None:
         return self.run.id if self.run is not None else None
 
+    def identity(self) -> dict[str, Any] | None:
+        """The W&B run's id, project, group and name (recorded in results.json), or None when disabled."""
+        if self.run is None:
+            return None
+        return {"id": self.run.id, "project": self.run.project, "group": self.run.group, "name": self.run.name}
+
     def log(self, data: dict[str, Any], step: int) -> None:
         if self.run is not None:
             self.run.log(data, step=step)

@@ -32,20 +32,23 @@ class DeviceTransform:
         self.mean = torch.tensor(mean).view(1, -1, 1, 1)
         self.std = torch.tensor(std).view(1, -1, 1, 1)
 
-    def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.float().div_(255.0)
+    def __call__(self, images: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
+        """Transform ``images[part]``. The random augmentation parameters are drawn for the whole batch, so each
+        rank of a multi-process run transforms its share exactly as a single process would."""
+        x = images[part].float().div_(255.0)
         if x.shape[1] == 1:
             x = x.expand(-1, 3, -1, -1)
         if self.train and (self.cfg.train_crop != "none" or self.cfg.hflip):
-            x = self._augment(x)
+            theta = self._affine(len(images), *images.shape[-2:], x.device)[part]
+            grid = F.affine_grid(theta, [len(x), x.shape[1], self.out_size, self.out_size], align_corners=False)
+            x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
         elif x.shape[-1] != self.out_size or x.shape[-2] != self.out_size:
             x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", antialias=True)
         mean, std = self.mean.to(x.device), self.std.to(x.device)
         return (x - mean) / std
 
-    def _augment(self, x: torch.Tensor) -> torch.Tensor:
-        b, _, h, w = x.shape
-        dev = x.device
+    def _affine(self, b: int, h: int, w: int, dev: torch.device) -> torch.Tensor:
+        """Random (b, 2, 3) crop + flip matrices in normalised coordinates for b images of h x w pixels."""
         scale_x = torch.ones(b, device=dev)
         scale_y = torch.ones(b, device=dev)
         shift_x = torch.zeros(b, device=dev)
@@ -68,5 +71,4 @@ class DeviceTransform:
         theta = torch.zeros(b, 2, 3, device=dev)
         theta[:, 0, 0], theta[:, 0, 2] = scale_x, shift_x
         theta[:, 1, 1], theta[:, 1, 2] = scale_y, shift_y
-        grid = F.affine_grid(theta, [b, x.shape[1], self.out_size, self.out_size], align_corners=False)
-        return F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        return theta

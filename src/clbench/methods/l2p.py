@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from clbench import distributed
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
@@ -166,6 +167,9 @@ class L2P(Method):
 
     def after_task(self, task: Task) -> None:
         super().after_task(task)
+        # Each rank of a multi-process run counted its share of the batches (a run resumed mid-task under torchrun
+        # counts the interrupted part of the task once per rank: a histogram-only difference).
+        distributed.current().sum_(self.train_counts[task.id])
         self.test_counts.zero_()  # the histogram of the evaluation that follows
 
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
@@ -199,7 +203,7 @@ class L2P(Method):
                 "batchwise_prompt": self.config.batchwise_prompt,
                 "prompt_histogram": {
                     "train": self.train_counts[:seen].tolist(),
-                    "test": self.test_counts[:seen].tolist(),
+                    "test": distributed.current().sum_(self.test_counts[:seen].clone()).tolist(),
                 },
             }
         }

@@ -1,0 +1,110 @@
+"""One run over several processes started by ``torchrun`` (PyTorch DistributedDataParallel).
+
+``torchrun --nproc_per_node=N -m clbench ...`` starts N ranks. Every rank builds the same method and benchmark
+from the same seed and draws the same random numbers (epoch order, augmentation parameters, MEAT's Gumbel noise),
+so the ranks stay in lockstep. Each takes its contiguous share of every global batch (``trainer.batch_size`` is the
+global batch); DDP averages the gradients during backward, so one step equals a single-process step on the whole
+batch up to floating-point summation order. Evaluation is sharded the same way and its counts summed over ranks.
+Only rank 0 writes the run folder, checkpoints and W&B. Backend: NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``),
+gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's place in the run: ``rank`` of ``size`` (a single process is rank 0 of 1)."""
+
+    rank: int = 0
+    size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def shard(self, n: int) -> tuple[slice, float]:
+        """This rank's contiguous share of a batch of ``n`` and the weight its mean loss gets, so that the ranks'
+        averaged gradients equal those of the whole batch's mean loss (exactly 1 when ``n`` divides evenly). A rank
+        left without samples (a last batch smaller than the world) takes one sample with weight 0."""
+        if self.size == 1:
+            return slice(None), 1.0
+        per = -(-n // self.size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        if lo == hi:
+            return slice(0, 1), 0.0
+        return slice(lo, hi), (hi - lo) * self.size / n
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over ranks in place."""
+        if self.size > 1:
+            dist.all_reduce(tensor)
+        return tensor
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
+        """``module`` under DDP (gradients averaged during backward). Unused parameters are allowed: methods train
+        heads, masks or prompts that a given batch may not reach. Buffers (masks, owners, counters) are not
+        re-broadcast at every forward: the ranks compute the same updates, and DDP aligns them when it wraps."""
+        if self.size == 1:
+            return module
+        ids = [device.index] if device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(
+            module, device_ids=ids, find_unused_parameters=True, broadcast_buffers=False
+        )
+
+    def agree(self, signum: int | None) -> int | None:
+        """A stop signal any rank received, on every rank (so all ranks checkpoint and stop at the same step)."""
+        if self.size == 1:
+            return signum
+        flag = torch.tensor([signum or 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) or None
+
+
+def current() -> Ranks:
+    """The run's ranks: those of the initialised process group, else a single process."""
+    if dist.is_available() and dist.is_initialized():
+        return Ranks(dist.get_rank(), dist.get_world_size())
+    return Ranks()
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def init(device: str) -> Ranks:
+    """Join the process group torchrun describes in the environment (NCCL for CUDA, gloo for CPU); a no-op for a
+    single process. ``device`` is ``trainer.device``."""
+    if not launched_by_torchrun() or dist.is_initialized():
+        return current()
+    cuda = device != "cpu" and torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    return current()
+
+
+def shutdown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
