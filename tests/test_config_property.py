@@ -37,13 +37,30 @@ COMMON_KEYS = [
     "data.train_crop",
     "data.crop_padding",
     "seed",
+    "objective",
 ]
 VALUES = st.one_of(
     st.integers(-3, 12),
     st.floats(-1.5, 2.5, allow_nan=False).map(lambda v: round(v, 3)),
     st.booleans(),
     st.none(),
-    st.sampled_from(["abc", "seen", "keep", "uniform", "sgd", "adam", "bf16", "fp32", "frequency", "[0]", "[mlp,qkv]"]),
+    st.sampled_from(
+        [
+            "abc",
+            "til.final_acc",
+            "cil.bwt",
+            "seen",
+            "keep",
+            "uniform",
+            "sgd",
+            "adam",
+            "bf16",
+            "fp32",
+            "frequency",
+            "[0]",
+            "[mlp,qkv]",
+        ]
+    ),
 )
 
 
