@@ -7,15 +7,26 @@ import pytest
 from clbench.bench import measure, parse
 
 KEYS = {"name", "backbone", "batch_size", "image_size", "images_per_s", "step_ms", "peak_mem_mb", "mfu"}
+TINY = ["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"]
 
 
 @pytest.mark.parametrize("name", ["meat", "reference/timm_train", "reference/timm_frozen"])
 def test_an_entry_is_measured_in_the_contract_shape(name: str) -> None:
-    args = parse(["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"])
-    entry = measure(args, name)
-    assert set(entry) == KEYS and entry["name"] == name and entry["backbone"] == "vit_micro"
+    entry = measure(parse(TINY), name)
+    assert set(entry) == {*KEYS, "gflops_per_step", "data_ms"} and entry["name"] == name
+    assert entry["backbone"] == "vit_micro" and entry["gflops_per_step"] > 0
     assert entry["step_ms"] > 0 and entry["images_per_s"] > 0 and entry["peak_mem_mb"] > 0
     assert entry["mfu"] is None  # CPU: no FLOP peak to compare with
+    assert (entry["data_ms"] is None) == name.startswith("reference/")  # a method's batch fetch + augmentation
+    if entry["data_ms"] is not None:
+        assert 0 < entry["data_ms"] < entry["step_ms"]
+
+
+def test_the_cuda_path_runs_on_cpu_up_to_the_device_calls() -> None:
+    """bf16 autocast, FLOP counting and the MFU formula run here as on a GPU; only the peak is given by hand."""
+    entry = measure(parse([*TINY, "--precision", "bf16", "--peak-flops", "1e12"]), "finetune")
+    assert entry["gflops_per_step"] > 0
+    assert entry["mfu"] == pytest.approx(entry["gflops_per_step"] * 1e9 / (entry["step_ms"] / 1000) / 1e12, rel=0.05)
 
 
 def test_unknown_entries_are_refused() -> None:

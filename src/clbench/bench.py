@@ -7,8 +7,9 @@ batch and image size. References on the same device, precision and input size:
 - ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay).
 Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
 runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
-On CUDA, model-FLOP utilisation = FLOPs of one step (torch's FlopCounterMode) / step time / the device's dense
-bf16 peak, which the output states.
+FLOPs of one step are counted with torch's FlopCounterMode on every device; model-FLOP utilisation = FLOPs / step
+time / the device's dense bf16 peak (from a table of GPUs, or ``--peak-flops``), null where no peak is known (CPU).
+A method's ``data_ms`` is the part of its step spent fetching the batch and augmenting it on the device.
 """
 
 from __future__ import annotations
@@ -28,10 +29,22 @@ import torch
 
 METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
 REFERENCES = ("reference/timm_train", "reference/timm_frozen")
-PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12}  # dense, per device
+# Dense bf16 tensor-core peaks (vendor datasheets); the first name contained in the device's name wins.
+PEAK_BF16_FLOPS = {
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "H100": 989e12,  # SXM
+    "H200": 989e12,
+    "GH200": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+}
 
 
-def peak_flops(device: torch.device) -> float | None:
+def peak_flops(device: torch.device, given: float | None = None) -> float | None:
+    """``given`` (--peak-flops) if set, else the table's peak for this GPU; None on CPU or an unknown GPU."""
+    if given is not None:
+        return given
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -75,11 +88,15 @@ def overrides(args: argparse.Namespace, method: str) -> list[str]:
         f"data.synthetic_image_size={args.image_size}",
         f"trainer.batch_size={args.batch_size}",
         f"trainer.device={args.device}",
+        f"trainer.precision={args.precision}",
         "logger.mode=disabled",
     ]
 
 
-def method_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], Any], torch.device]:
+Steps = tuple[Callable[[], Any], Callable[[], Any] | None, torch.device]  # (step, its data part or None, device)
+
+
+def method_step(args: argparse.Namespace, name: str) -> Steps:
     from hydra import compose, initialize_config_dir
 
     from clbench.cli import config_dir
@@ -96,18 +113,22 @@ def method_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], Any],
     optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     split = rt.benchmark.train[0]
-    x, y = split.x[: args.batch_size], split.y[: args.batch_size]
+    order = split.permutation()
     method.train()
     batches = split.num_batches(args.batch_size)
 
-    def step() -> None:
+    def step() -> None:  # what the loop does per batch
+        x, y = split.batch(order, 0, args.batch_size)
         method.before_step(task, 0, batches)
         train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
 
-    return step, rt.device
+    def data() -> None:
+        rt.train_tf(split.batch(order, 0, args.batch_size)[0])
+
+    return step, data, rt.device
 
 
-def reference_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], Any], torch.device]:
+def reference_step(args: argparse.Namespace, name: str) -> Steps:
     from hydra import compose, initialize_config_dir
 
     from clbench.backbones import build_backbone
@@ -135,7 +156,7 @@ def reference_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], An
             loss.backward()
             optimizer.step()
 
-        return step, device
+        return step, None, device
     model.requires_grad_(False)
     x.requires_grad_(True)
 
@@ -145,16 +166,17 @@ def reference_step(args: argparse.Namespace, name: str) -> tuple[Callable[[], An
         out.float().sum().backward()
         x.grad = None
 
-    return frozen_step, device
+    return frozen_step, None, device
 
 
 def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One entry, measured in this process (run in a fresh one by :func:`main`)."""
     torch.manual_seed(0)
-    step, device = (reference_step if name in REFERENCES else method_step)(args, name)
+    step, data, device = (reference_step if name in REFERENCES else method_step)(args, name)
     seconds = timed(step, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
-    peak = peak_flops(device)
-    mfu = step_flops(step) / seconds / peak if peak else None
+    data_s = timed(data, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats) if data else None
+    flops = step_flops(step)
+    peak = peak_flops(device, args.peak_flops)
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device) / 2**20
     else:
@@ -167,7 +189,9 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "images_per_s": round(args.batch_size / seconds, 1),
         "step_ms": round(1000 * seconds, 2),
         "peak_mem_mb": round(peak_mem, 1),
-        "mfu": None if mfu is None else round(mfu, 4),
+        "mfu": round(flops / seconds / peak, 4) if peak else None,
+        "gflops_per_step": round(flops / 1e9, 3),
+        "data_ms": None if data_s is None else round(1000 * data_s, 3),
     }
 
 
@@ -185,6 +209,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size", type=int, default=224 if cuda else 32)
     parser.add_argument("--batch-size", type=int, default=128 if cuda else 32)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
+    )
+    parser.add_argument("--peak-flops", type=float, default=None, help="the device's dense bf16 peak (FLOP/s) for MFU")
     parser.add_argument("--methods", nargs="+", default=[*METHODS, *REFERENCES], help="entries to measure")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
@@ -215,20 +243,21 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"{name}: {results[-1].get('step_ms', results[-1].get('error'))}")
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    report = {"device": label, "peak_bf16_flops": peak_flops(device), "results": results}
+    report = {"device": label, "peak_bf16_flops": peak_flops(device, args.peak_flops), "results": results}
     write_atomic(args.out, json.dumps(report, indent=2))
     table = Table(title=f"clbench bench on {label} ({args.backbone}, batch {args.batch_size}, {args.image_size}px)")
-    for column in ("entry", "images/s", "step ms", "peak MB", "MFU", "vs timm_train"):
+    for column in ("entry", "images/s", "step ms", "data %", "GFLOP", "peak MB", "MFU", "vs timm_train"):
         table.add_column(column, justify="left" if column == "entry" else "right")
     ref = next((r for r in results if r["name"] == "reference/timm_train" and "step_ms" in r), None)
     for r in results:
         if "error" in r:
-            table.add_row(r["name"], "-", "-", "-", "-", r["error"][:60])
+            table.add_row(r["name"], "-", "-", "-", "-", "-", "-", r["error"][:60])
             continue
         ratio = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
-        speed = (f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", f"{r['peak_mem_mb']:.0f}")
-        table.add_row(r["name"], *speed, mfu, ratio)
+        data = "-" if r["data_ms"] is None else f"{100 * r['data_ms'] / r['step_ms']:.1f}"
+        speed = (f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", data, f"{r['gflops_per_step']:.2f}")
+        table.add_row(r["name"], *speed, f"{r['peak_mem_mb']:.0f}", mfu, ratio)
     console.print(table)
     console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
     if any("error" in r for r in results):
