@@ -18,7 +18,10 @@ SHORT = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
 
 
 def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
+    scratch = cwd / ".scratch"  # torchrun's and W&B's temporary folders stay inside the test's folder
+    scratch.mkdir(exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
+    env["TMPDIR"] = str(scratch)
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)  # noqa: PLW1510
 
 
@@ -101,7 +104,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
             assert all(x == y or abs(x - y) <= 5.0 for x, y in zip(row_a, row_b, strict=True) if x is not None)
     # only rank 0 writes: one run folder, one W&B run, nothing in the working directory
     assert len(list((tmp_path / "two" / "wandb").glob("offline-run-*"))) == 1
-    assert {p.name for p in tmp_path.iterdir()} - {"wandb_cache", "wandb_config"} == {"one", "two"}
+    assert {p.name for p in tmp_path.iterdir()} - {"wandb_cache", "wandb_config", ".scratch"} == {"one", "two"}
 
 
 def test_torchrun_refuses_a_multirun(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import MaxNLocator
 
 from clbench.results import write_atomic
 
@@ -144,6 +145,7 @@ def curves_png(groups: dict[Key, list[dict[str, Any]]]) -> bytes:
             ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{method} ({backbone}, {benchmark})")
         ax.set_title(f"{scenario.upper()}: mean accuracy over seen tasks")
         ax.set_xlabel("tasks learned")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
     axes[1].legend(fontsize=7)
