@@ -10,7 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from conftest import TINY
 
@@ -102,6 +104,14 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     for s in ("til", "cil"):  # tolerance: one test image of a 20-image task (5 points); measured: identical
         for row_a, row_b in zip(a["acc_matrix"][s], b["acc_matrix"][s], strict=True):
             assert all(x == y or abs(x - y) <= 5.0 for x, y in zip(row_a, row_b, strict=True) if x is not None)
+    # the method's saved state (MEAT: packed masks; heads) is the single process's: masks exactly, weights closely
+    one_state, two_state = (load_file(tmp_path / d / "method_artifacts.safetensors") for d in ("one", "two"))
+    assert one_state.keys() == two_state.keys()
+    for key, value in one_state.items():
+        if value.is_floating_point():
+            assert torch.allclose(value, two_state[key], atol=1e-4), key
+        else:
+            assert torch.equal(value, two_state[key]), key
     # only rank 0 writes: one run folder, one W&B run, nothing in the working directory
     assert len(list((tmp_path / "two" / "wandb").glob("offline-run-*"))) == 1
     assert {p.name for p in tmp_path.iterdir()} - {"wandb_cache", "wandb_config", ".scratch"} == {"one", "two"}
