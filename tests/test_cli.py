@@ -145,3 +145,18 @@ def test_report_over_a_multirun_of_two_methods_and_two_seeds(tmp_path: Path) -> 
     assert "did not finish" in report.stdout and "extra" in report.stdout
     assert "\\toprule" in (tmp_path / "report.tex").read_text()
     assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_an_unwritable_output_folder_is_refused_before_hydra_creates_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("in the way")
+    for args in (("hydra.run.dir=file/run",), ("-m", "seed=0,1", "hydra.sweep.dir=file/sweep")):
+        out = clbench(*args, *TINY, cwd=tmp_path)
+        assert out.returncode == 2, out.stderr[-2000:]
+        assert "Cannot write in the output folder file/" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_diverging_loss_ends_with_one_paragraph_naming_where(tmp_path: Path) -> None:
+    out = clbench(*TINY, "trainer.lr=1e30", "trainer.log_every=1", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "is nan at task 0 (train phase), epoch 0, step" in out.stderr and "lower trainer.lr" in out.stderr
+    assert json.loads((tmp_path / "run" / "results.json").read_text())["status"] == "failed"

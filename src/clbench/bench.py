@@ -228,7 +228,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     from rich.table import Table
 
-    from clbench.results import write_atomic
+    from clbench.files import write_atomic
     from clbench.tracking import console
 
     args = parse(argv)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from clbench.errors import DataError
-from clbench.results import write_atomic
+from clbench.files import write_atomic
 
 FILE = "checkpoint.pt"
 VERSION = 1

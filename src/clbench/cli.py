@@ -12,12 +12,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from clbench import distributed
 from clbench.config import RunConfig, register_schemas, validate
 from clbench.errors import ClbenchError, Preempted
+from clbench.files import check_writable
 
 
 def config_dir() -> Path:
@@ -28,6 +30,25 @@ def config_dir() -> Path:
 
 log = logging.getLogger("clbench")
 register_schemas()
+
+
+class OutputFolderCheck(Callback):
+    """Refuse an output folder that cannot be written with one clear paragraph (exit 2) before Hydra creates it,
+    which would otherwise fail with a traceback. Registered in conf/config.yaml under hydra.callbacks."""
+
+    def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
+        self.check(config.hydra.run.dir)
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        self.check(config.hydra.sweep.dir)
+
+    @staticmethod
+    def check(folder: str) -> None:
+        try:
+            check_writable(Path(str(folder)))
+        except ClbenchError as err:
+            print(f"\nclbench: {err}", file=sys.stderr)
+            sys.exit(2)
 
 
 def requeued(cfg: RunConfig) -> RunConfig:

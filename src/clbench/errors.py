@@ -17,6 +17,10 @@ class WeightsError(ClbenchError):
     """Pretrained weights that are missing, unreachable or do not fit the model."""
 
 
+class Diverged(ClbenchError, FloatingPointError):  # noqa: N818 (reads as what happened to the run)
+    """The training loss became NaN or Inf; the message names task, phase, epoch and step."""
+
+
 class Preempted(Exception):  # noqa: N818 (not an error: the run stopped on request and can resume)
     """A stop signal arrived (``signum``); a checkpoint of the last finished step was written."""
 

@@ -23,7 +23,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 from matplotlib.ticker import MaxNLocator
 
-from clbench.results import write_atomic
+from clbench.files import write_atomic
 
 METRICS = ("final_acc", "avg_incremental_acc", "forgetting")
 LABELS = {"final_acc": "final", "avg_incremental_acc": "avg inc", "forgetting": "forgetting"}

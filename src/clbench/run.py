@@ -38,10 +38,11 @@ from clbench.checkpoint import Cursor, Position
 from clbench.config import RunConfig, TrainerConfig, as_dict
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
 from clbench.distributed import Ranks
-from clbench.errors import ConfigError, Preempted
+from clbench.errors import ConfigError, Diverged, Preempted
 from clbench.evaluation import evaluate
+from clbench.files import check_writable
 from clbench.methods import Method
-from clbench.results import Results, write_atomic
+from clbench.results import Results
 from clbench.tracking import WandbTracker, console, print_summary, write_run_files
 
 
@@ -267,7 +268,7 @@ def run_task(
                     mean_loss = rt.ranks.sum_(running / (cfg.log_every * rt.ranks.size)).item()
                     if not math.isfinite(mean_loss):
                         where = f"task {task.id} ({phase.name} phase), epoch {epoch}, step {step}"
-                        raise FloatingPointError(
+                        raise Diverged(
                             f"the mean training loss of the last {cfg.log_every} steps is {mean_loss} at {where}; "
                             "lower trainer.lr or set trainer.grad_clip"
                         )
@@ -348,19 +349,6 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "method_config": as_dict(cfg.method),
         "backbone_config": as_dict(cfg.backbone),
     }
-
-
-def check_writable(run_dir: Path) -> None:
-    """Refuse an output folder that cannot be written before any work starts."""
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        write_atomic(run_dir / ".clbench_write_test", b"")
-        (run_dir / ".clbench_write_test").unlink()
-    except OSError as err:
-        raise ConfigError(
-            f"Cannot write in the output folder {run_dir} ({type(err).__name__}: {err.strerror or err}). "
-            "Choose another with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m), or free space there."
-        ) from None
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:

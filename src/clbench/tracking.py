@@ -20,7 +20,8 @@ from safetensors.torch import save as save_safetensors
 
 from clbench.config import LoggerConfig
 from clbench.evaluation import SCENARIOS
-from clbench.results import Results, write_atomic
+from clbench.files import write_atomic
+from clbench.results import Results
 
 log = logging.getLogger(__name__)
 console = Console(stderr=True)
