@@ -39,6 +39,28 @@ def test_both_attention_paths_equal_the_reference_masked_softmax() -> None:
     assert (keep_grad.grad[keep == 0] != 0).all()  # masked tokens get a gradient too
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+def test_the_differentiable_path_gives_sdpa_widths_its_fused_cuda_kernels_accept(
+    head_dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Flash attention needs equal q/k/v widths, multiples of 8; the value width head_dim + 1 alone would send MEAT's
+    training attention to the unfused math kernel."""
+    seen: list[tuple[int, int, int]] = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.append((q.shape[-1], k.shape[-1], v.shape[-1]))
+        return sdpa(q, k, v, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    q, k, v = (torch.randn(2, 3, 7, head_dim, dtype=torch.float64) for _ in range(3))
+    keep = torch.tensor([1.0, 0, 1, 1, 0, 0, 1], dtype=torch.float64, requires_grad=True)
+    out = key_masked_attention(q, k, v, keep)
+    (dq, dk, dv) = seen[-1]
+    assert dq == dk == dv and dv % 8 == 0 and dv > head_dim
+    assert torch.allclose(out, reference_attention(q, k, v, keep.detach()))
+
+
 def test_drop_control_loss_on_constructed_masks() -> None:
     nine_of_ten = torch.tensor([1.0] * 9 + [0.0])
     half = torch.tensor([1.0] * 5 + [0.0] * 5)

@@ -8,7 +8,10 @@ all tokens are still computed. Both paths below run PyTorch's fused scaled-dot-p
   masked tokens;
 - a mask that carries a gradient (training, straight-through Gumbel samples) needs dL/dm_j also for masked
   tokens, where an additive bias -inf has none. The values are extended to [m_j v_j, m_j]: attention over all
-  keys then gives numerator and denominator of Eq. 5, whose ratio is exactly Psi v, differentiable in m.
+  keys then gives numerator and denominator of Eq. 5, whose ratio is exactly Psi v, differentiable in m. Flash
+  attention (CUDA and CPU) needs equal q/k/v widths that are multiples of 8, so q, k and the extended values are
+  all padded with zero columns to the next multiple of 8 above head_dim (zero columns leave q.k unchanged; the
+  scale stays head_dim^-0.5). Unpadded, the width head_dim + 1 sends attention to the unfused math kernel.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from clbench.backbones.refiner import RefinerAttention
+
+WIDTH_ALIGN = 8  # flash attention takes equal q/k/v widths that are multiples of 8
 
 
 def key_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -31,9 +36,12 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep
     if not keep.requires_grad:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias(keep, q.dtype))
     m = keep.to(v.dtype).view(1, 1, -1, 1)
+    d = v.shape[-1]
+    width = d + 1 + (-(d + 1) % WIDTH_ALIGN)
     values = torch.cat([v * m, m.expand(*v.shape[:-1], 1)], dim=-1)
-    out = F.scaled_dot_product_attention(q, k, values)
-    return out[..., :-1] / out[..., -1:]
+    q, k, values = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, values))
+    out = F.scaled_dot_product_attention(q, k, values, scale=d**-0.5)
+    return out[..., :d] / out[..., d : d + 1]
 
 
 class KeyMaskedAttention(nn.Module):
