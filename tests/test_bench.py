@@ -10,7 +10,7 @@ KEYS = {"name", "backbone", "batch_size", "image_size", "images_per_s", "step_ms
 TINY = ["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"]
 
 
-@pytest.mark.parametrize("name", ["meat", "reference/timm_train", "reference/timm_frozen"])
+@pytest.mark.parametrize("name", ["meat", "reference/timm_train", "reference/timm_frozen", "reference/timm_inference"])
 def test_an_entry_is_measured_in_the_contract_shape(name: str) -> None:
     entry = measure(parse(TINY), name)
     assert set(entry) == {*KEYS, "gflops_per_step", "data_ms"} and entry["name"] == name
@@ -32,3 +32,17 @@ def test_the_cuda_path_runs_on_cpu_up_to_the_device_calls() -> None:
 def test_unknown_entries_are_refused() -> None:
     with pytest.raises(SystemExit):
         parse(["--methods", "magic"])
+
+
+def test_target_ratios_follow_their_definitions() -> None:
+    from clbench.bench import target_ratios
+
+    ms = {"finetune": 50.0, "hat": 60.0, "meat": 75.0, "l2p": 90.0}
+    refs = {"reference/timm_train": 55.0, "reference/timm_frozen": 40.0, "reference/timm_inference": 20.0}
+    ratios = target_ratios([{"name": k, "step_ms": v} for k, v in {**ms, **refs}.items()])
+    assert ratios == {
+        "finetune_speed_vs_timm_train": 1.1,
+        "slowest_method_step_vs_finetune": 1.5,
+        "l2p_step_vs_frozen_plus_inference": 1.5,
+    }
+    assert target_ratios([{"name": "l2p", "error": "x"}])["l2p_step_vs_frozen_plus_inference"] is None

@@ -4,7 +4,8 @@ Each method takes its real training step (:func:`clbench.run.train_step`: device
 gradient surgery, optimizer, constraints) on its first task of a synthetic benchmark, with the chosen backbone,
 batch and image size. References on the same device, precision and input size:
 - ``reference/timm_train``: a plain timm ViT with a classifier, cross-entropy, AdamW (fused on CUDA);
-- ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay).
+- ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay);
+- ``reference/timm_inference``: one inference-mode forward (L2P's query pass; its target is frozen + inference).
 Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
 runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
 FLOPs of one step are counted with torch's FlopCounterMode on every device; model-FLOP utilisation = FLOPs / step
@@ -28,7 +29,7 @@ from typing import Any
 import torch
 
 METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
-REFERENCES = ("reference/timm_train", "reference/timm_frozen")
+REFERENCES = ("reference/timm_train", "reference/timm_frozen", "reference/timm_inference")
 # Dense bf16 tensor-core peaks (vendor datasheets); the first name contained in the device's name wins.
 PEAK_BF16_FLOPS = {
     "H100 PCIe": 756e12,
@@ -158,6 +159,14 @@ def reference_step(args: argparse.Namespace, name: str) -> Steps:
 
         return step, None, device
     model.requires_grad_(False)
+    if name == "reference/timm_inference":
+        model.eval()
+
+        def inference_step() -> None:
+            with torch.inference_mode(), autocast:
+                model.forward_head(model.forward_features(x), pre_logits=True)
+
+        return inference_step, None, device
     x.requires_grad_(True)
 
     def frozen_step() -> None:
@@ -192,6 +201,25 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "mfu": round(flops / seconds / peak, 4) if peak else None,
         "gflops_per_step": round(flops / 1e9, 3),
         "data_ms": None if data_s is None else round(1000 * data_s, 3),
+    }
+
+
+def target_ratios(results: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The README's step-time targets as ratios of measured entries (None where an entry is missing):
+    finetune's speed relative to timm_train (>= 0.9 CPU, >= 0.95 CUDA), the slowest other method's step over
+    finetune's (<= 1.5), L2P's step over timm_frozen + timm_inference (<= 1.5)."""
+    ms = {r["name"]: r["step_ms"] for r in results if "step_ms" in r}
+    finetune, train = ms.get("finetune"), ms.get("reference/timm_train")
+    others = [v for k, v in ms.items() if k in METHODS and k not in ("finetune", "l2p")]
+    frozen, inference = ms.get("reference/timm_frozen"), ms.get("reference/timm_inference")
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    return {
+        "finetune_speed_vs_timm_train": ratio(train, finetune),
+        "slowest_method_step_vs_finetune": ratio(max(others, default=None), finetune),
+        "l2p_step_vs_frozen_plus_inference": ratio(ms.get("l2p"), frozen + inference if frozen and inference else None),
     }
 
 
@@ -243,7 +271,13 @@ def main(argv: list[str] | None = None) -> None:
         console.print(f"{name}: {results[-1].get('step_ms', results[-1].get('error'))}")
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    report = {"device": label, "peak_bf16_flops": peak_flops(device, args.peak_flops), "results": results}
+    ratios = target_ratios(results)
+    report = {
+        "device": label,
+        "peak_bf16_flops": peak_flops(device, args.peak_flops),
+        "results": results,
+        "target_ratios": ratios,
+    }
     write_atomic(args.out, json.dumps(report, indent=2))
     table = Table(title=f"clbench bench on {label} ({args.backbone}, batch {args.batch_size}, {args.image_size}px)")
     for column in ("entry", "images/s", "step ms", "data %", "GFLOP", "peak MB", "MFU", "vs timm_train"):
@@ -260,6 +294,7 @@ def main(argv: list[str] | None = None) -> None:
         table.add_row(r["name"], *speed, f"{r['peak_mem_mb']:.0f}", mfu, ratio)
     console.print(table)
     console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
+    console.print("targets: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
     if any("error" in r for r in results):
         sys.exit(1)
 
