@@ -46,3 +46,20 @@ def test_target_ratios_follow_their_definitions() -> None:
         "l2p_step_vs_frozen_plus_inference": 1.5,
     }
     assert target_ratios([{"name": "l2p", "error": "x"}])["l2p_step_vs_frozen_plus_inference"] is None
+
+
+@pytest.mark.parametrize("name", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+def test_every_method_trains_with_fused_attention(name: str) -> None:
+    """PyTorch's fused scaled-dot-product attention in every method's real step, no softmax of attention maps
+    (cross-entropy's log-softmax aside): MEAT's token masks and L2P's prompts included."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from clbench.bench import method_step
+
+    step, _, _ = method_step(parse(TINY), name)
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ops = {event.key for event in prof.key_averages()}
+    assert any("flash_attention" in op or "efficient_attention" in op for op in ops), sorted(ops)
+    assert not {op for op in ops if "softmax" in op and "log_softmax" not in op}
