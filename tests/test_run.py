@@ -175,3 +175,26 @@ def test_reevaluating_a_corrupt_or_foreign_folder_is_a_clear_error(tmp_path: Pat
     (tmp_path / "method_artifacts.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(DataError, match="corrupt"):
         reevaluate(tmp_path)
+
+
+@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> None:
+    """Frozen parts (pretrained weights under masks, other tasks' heads, PackNet's and HAT's frozen biases and
+    norms after task 0) are left out of autograd: after a real step their .grad is None."""
+    from clbench.run import build_optimizer, finish_untrained, train_step
+
+    extra = ("method.retrain_epochs=0",) if method == "packnet" else ()
+    cfg = tiny_config(f"method={method}", *extra)
+    method_obj, rt = build_runtime(cfg)
+    for task in rt.benchmark.tasks[:2]:  # the second task: what task 0 froze stays out
+        method_obj.before_task(task)
+        phase = method_obj.phases(task, 1)[0]
+        method_obj.before_phase(task, phase)
+        optimizer = build_optimizer(method_obj, method_obj.param_groups(task, phase), cfg.trainer)
+        trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        method_obj.zero_grad(set_to_none=True)
+        x, y = rt.benchmark.train[task.id].batch(None, 0, 8)
+        train_step(method_obj, task, rt, x, y, optimizer=optimizer, params=[])
+        stray = [n for n, p in method_obj.named_parameters() if id(p) not in trained and p.grad is not None]
+        assert not stray, stray[:5]
+        finish_untrained(method_obj, task)
