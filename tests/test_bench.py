@@ -63,3 +63,12 @@ def test_every_method_trains_with_fused_attention(name: str) -> None:
     ops = {event.key for event in prof.key_averages()}
     assert any("flash_attention" in op or "efficient_attention" in op for op in ops), sorted(ops)
     assert not {op for op in ops if "softmax" in op and "log_softmax" not in op}
+
+
+def test_the_median_round_is_kept() -> None:
+    from clbench.bench import median_round
+
+    rounds = [{"name": "a", "step_ms": v} for v in (30.0, 10.0, 20.0)]
+    assert median_round(rounds)["step_ms"] == 20.0
+    assert median_round([{"name": "a", "error": "x"}, {"name": "a", "step_ms": 5.0}])["step_ms"] == 5.0
+    assert "error" in median_round([{"name": "a", "error": "x"}])

@@ -8,6 +8,8 @@ batch and image size. References on the same device, precision and input size:
 - ``reference/timm_inference``: one inference-mode forward (L2P's query pass; its target is frozen + inference).
 Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
 runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
+``--rounds K`` measures the whole list K times, interleaved, and keeps each entry's median round, so that drift
+of a shared machine affects every entry alike (ratios between entries are then trustworthy).
 FLOPs of one step are counted with torch's FlopCounterMode on every device; model-FLOP utilisation = FLOPs / step
 time / the device's dense bf16 peak (from a table of GPUs, or ``--peak-flops``), null where no peak is known (CPU).
 A method's ``data_ms`` is the part of its step spent fetching the batch and augmenting it on the device.
@@ -223,6 +225,12 @@ def target_ratios(results: list[dict[str, Any]]) -> dict[str, float | None]:
     }
 
 
+def median_round(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median step time (the lower middle for an even count); an error if every round failed."""
+    timed_ok = sorted((e for e in entries if "step_ms" in e), key=lambda e: e["step_ms"])
+    return timed_ok[(len(timed_ok) - 1) // 2] if timed_ok else entries[-1]
+
+
 def _child(args: argparse.Namespace, name: str, queue: mp.Queue) -> None:
     try:
         queue.put(measure(args, name))
@@ -245,6 +253,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     args = parser.parse_args(argv)
     unknown = set(args.methods) - {*METHODS, *REFERENCES}
@@ -261,14 +270,17 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parse(argv)
     ctx = mp.get_context("spawn")
-    results = []
-    for name in args.methods:
-        queue = ctx.Queue()
-        proc = ctx.Process(target=_child, args=(args, name, queue))
-        proc.start()
-        proc.join()
-        results.append(queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"})
-        console.print(f"{name}: {results[-1].get('step_ms', results[-1].get('error'))}")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.methods}
+    for r in range(args.rounds):
+        for name in args.methods:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_child, args=(args, name, queue))
+            proc.start()
+            proc.join()
+            entry = queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"}
+            rounds[name].append(entry)
+            console.print(f"round {r + 1}/{args.rounds} {name}: {entry.get('step_ms', entry.get('error'))}")
+    results = [median_round(entries) for entries in rounds.values()]
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
     label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     ratios = target_ratios(results)
