@@ -109,5 +109,7 @@ def test_results_record_the_histograms_and_the_batchwise_flag(tmp_path: Path) ->
     hist = res["l2p"]["prompt_histogram"]
     assert res["l2p"]["batchwise_prompt"] is False
     assert len(hist["train"]) == len(hist["test"]) == 3 and all(len(row) == 10 for row in hist["train"])
-    assert all(sum(row) > 0 and sum(row) % 5 == 0 for row in hist["train"] + hist["test"])  # N = 5 per image
+    assert all(sum(row) > 0 and sum(row) % 5 == 0 for row in hist["train"])  # N = 5 per image
+    test_sizes = [len(t["classes"]) * 10 for t in res["tasks"]]  # synthetic_tiny: 10 test images per class
+    assert [sum(row) for row in hist["test"]] == [5 * n for n in test_sizes]  # each test image selects once
     assert (tmp_path / "prompt_histogram.png").read_bytes()[:4] == b"\x89PNG"

@@ -198,3 +198,20 @@ def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> No
         stray = [n for n, p in method_obj.named_parameters() if id(p) not in trained and p.grad is not None]
         assert not stray, stray[:5]
         finish_untrained(method_obj, task)
+
+
+@pytest.mark.parametrize("method", ["finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+def test_both_scenarios_from_one_call_equal_separate_predictions(method: str) -> None:
+    """Evaluation shares the passes TIL and CIL have in common; the logits are those of two predict calls."""
+    cfg = tiny_config(f"method={method}", "trainer.epochs=1")
+    method_obj, rt = build_runtime(cfg)
+    for task in rt.benchmark.tasks[:2]:
+        method_obj.before_task(task)
+        run_task(method_obj, task, rt, epochs=1)
+        method_obj.after_task(task)
+    method_obj.eval()
+    x = rt.test_tf(rt.benchmark.test[1].x[:8])
+    both = method_obj.predict_scenarios(x, 1, ("til", "cil"))
+    assert torch.equal(both["til"], method_obj.predict(x, 1))
+    assert torch.equal(both["cil"], method_obj.predict(x, None))
+    assert method_obj.predict_scenarios(x, 1, ("til",)).keys() == {"til"}

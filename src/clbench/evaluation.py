@@ -45,10 +45,11 @@ def evaluate(
                 continue
             x, labels = transform(images, part), batch_labels[part]
             with autocast, method.evaluating(j):
-                if "til" in scenarios:
-                    correct["til"] += (method.predict(x, j).argmax(1) + task.offset == labels).sum()
-                if "cil" in scenarios:
-                    correct["cil"] += (method.predict(x, None).argmax(1) == labels).sum()
+                logits = method.predict_scenarios(x, j, scenarios)
+            if "til" in logits:
+                correct["til"] += (logits["til"].argmax(1) + task.offset == labels).sum()
+            if "cil" in logits:
+                correct["cil"] += (logits["cil"].argmax(1) == labels).sum()
         for s in scenarios:
             accuracy[s].append(100.0 * ranks.sum_(correct[s]).item() / len(split))
     method.train(was_training)

@@ -119,8 +119,24 @@ class Method(nn.Module):
         if task_id is not None:
             return self.task_logits(x, task_id)
         if self.task_conditioned:
-            return self.infer_task_by_entropy(x)
+            return self.lowest_entropy_task(self.every_task_logits(x))
         return self.seen_logits(self.features(x, None))
+
+    @torch.no_grad()
+    def predict_scenarios(self, x: torch.Tensor, task_id: int, scenarios: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """``predict(x, task_id)`` as "til" and ``predict(x, None)`` as "cil", for the ``scenarios`` asked, sharing
+        the work they have in common: a task-agnostic method runs its forward once for both; a task-conditioned
+        one takes the TIL logits from the path of ``task_id`` that its CIL task inference runs anyway. A method
+        with its own CIL inference (an overridden ``predict``: SupSup) predicts each scenario separately."""
+        if "cil" not in scenarios or type(self).predict is not Method.predict:
+            return {s: self.predict(x, task_id if s == "til" else None) for s in scenarios}
+        if self.task_conditioned:
+            per_task = self.every_task_logits(x)
+            both = {"til": per_task[task_id], "cil": self.lowest_entropy_task(per_task)}
+        else:
+            feats = self.features(x, None)
+            both = {"til": self.heads[task_id](feats), "cil": self.seen_logits(feats)}
+        return {s: both[s] for s in scenarios}
 
     @contextmanager
     def evaluating(self, task_id: int) -> Iterator[None]:
@@ -128,15 +144,20 @@ class Method(nn.Module):
         A prediction must never depend on it."""
         yield
 
-    def infer_task_by_entropy(self, x: torch.Tensor) -> torch.Tensor:
-        """Class-incremental prediction for task-conditioned methods: run every seen task's path and keep,
-        per sample, the task whose softmax has the lowest entropy. Returns logits over all seen classes
-        that are ``-inf`` outside the chosen task, so their argmax is the prediction."""
-        per_task = [self.task_logits(x, t).float() for t in range(self.num_seen)]
+    def every_task_logits(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each seen task's path: its TIL logits."""
+        return [self.task_logits(x, t) for t in range(self.num_seen)]
+
+    @staticmethod
+    def lowest_entropy_task(per_task: list[torch.Tensor]) -> torch.Tensor:
+        """Class-incremental prediction for task-conditioned methods from every seen task's logits: keep, per
+        sample, the task whose softmax has the lowest entropy. Returns logits over all seen classes that are
+        ``-inf`` outside the chosen task, so their argmax is the prediction."""
+        per_task = [logits.float() for logits in per_task]
         entropy = torch.stack([torch.special.entr(F.softmax(lg, dim=1)).sum(1) for lg in per_task])
         chosen = entropy.argmin(0)  # (B,)
         out = torch.cat(per_task, dim=1)
-        owner = torch.cat([torch.full((lg.shape[1],), t, device=x.device) for t, lg in enumerate(per_task)])
+        owner = torch.cat([torch.full((lg.shape[1],), t, device=lg.device) for t, lg in enumerate(per_task)])
         return out.masked_fill(owner[None, :] != chosen[:, None], float("-inf"))
 
     # ----------------------------------------------------------------------------- bookkeeping
