@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +31,22 @@ TINY = [
     "trainer.batch_size=16",
     "logger.mode=disabled",
 ]
+
+
+def run_command(*command: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A command as a user runs it, offline and unbuffered, with temporary files (torchrun's, W&B's) kept in
+    ``cwd/.scratch``; ``env`` adds variables. The exit code is what the tests check."""
+    scratch = cwd / ".scratch"
+    scratch.mkdir(parents=True, exist_ok=True)
+    offline = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
+    return subprocess.run(  # noqa: PLW1510
+        command, cwd=cwd, env={**os.environ, **offline, **env}, capture_output=True, text=True, timeout=600
+    )
+
+
+def clbench(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """``python -m clbench ARGS`` (what the ``clbench`` command runs)."""
+    return run_command(sys.executable, "-m", "clbench", *args, cwd=cwd, **env)
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -4,27 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
-import os
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import TINY
-
-
-def clbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run(  # noqa: PLW1510 (the exit code is what the tests check)
-        [sys.executable, "-m", "clbench", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+from conftest import TINY, clbench, run_command
 
 
 def test_multirun_gives_each_job_its_own_folder(tmp_path: Path) -> None:
@@ -97,18 +83,11 @@ def test_clbench_eval_reproduces_a_saved_run(tmp_path: Path) -> None:
         *TINY, "data.num_tasks=2", "trainer.epochs=1", "method=piggyback", f"hydra.run.dir={run_dir}", cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    again = subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-m", "clbench.reevaluate", str(run_dir), "--json"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-    )
+    again = run_command(sys.executable, "-m", "clbench.reevaluate", str(run_dir), "--json", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     saved = json.loads((run_dir / "results.json").read_text())["acc_matrix"]
     assert json.loads(again.stdout) == {s: saved[s][-1] for s in ("til", "cil")}
-    missing = subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-m", "clbench.reevaluate", str(tmp_path)], cwd=tmp_path, capture_output=True, text=True
-    )
+    missing = run_command(sys.executable, "-m", "clbench.reevaluate", str(tmp_path), cwd=tmp_path)
     assert missing.returncode == 2 and "not a clbench run folder" in missing.stderr
 
 
@@ -128,11 +107,8 @@ def test_report_over_a_multirun_of_two_methods_and_two_seeds(tmp_path: Path) -> 
     failed = sweep / "extra" / "results.json"  # a run that did not finish is listed, not averaged
     failed.parent.mkdir()
     failed.write_text(json.dumps({"status": "failed"}))
-    report = subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-m", "clbench.report", str(sweep), "--out", str(tmp_path / "report")],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
+    report = run_command(
+        sys.executable, "-m", "clbench.report", str(sweep), "--out", str(tmp_path / "report"), cwd=tmp_path
     )
     assert report.returncode == 0, report.stderr[-3000:]
     runs = [json.loads(p.read_text()) for p in sweep.glob("[0-9]*/results.json")]

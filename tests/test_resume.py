@@ -15,7 +15,7 @@ from clbench import checkpoint
 from clbench import run as run_module
 from clbench.errors import ConfigError, DataError
 from clbench.run import Runtime, train
-from conftest import TINY, tiny_config
+from conftest import TINY, clbench, run_command, tiny_config
 
 CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2")
 
@@ -99,17 +99,7 @@ sys.argv = ["clbench", *{list(overrides)!r}, "hydra.run.dir={run_dir}"]
 from clbench.cli import main
 main()
 """
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-c", script], cwd=run_dir.parent, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
-def clbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-m", "clbench", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
-    )
+    return run_command(sys.executable, "-c", script, cwd=run_dir.parent)
 
 
 def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
@@ -157,15 +147,8 @@ def test_a_slurm_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tm
     assert (tmp_path / "requeued").read_text() == "True"  # the handler ran after the checkpoint was written
     position, _ = checkpoint.load(run_dir)
     assert position.task == 1 and position.cursor is not None
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "SLURM_RESTART_COUNT": "1"}  # the requeued job: no resume=true
-    again = subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-m", "clbench", *overrides, f"hydra.run.dir={run_dir}"],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    # the requeued job: the same command, no resume=true
+    again = clbench(*overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path, SLURM_RESTART_COUNT="1")
     assert again.returncode == 0, again.stderr[-2000:]
     assert matrices(run_dir / "results.json") == expected
 

@@ -4,8 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -14,21 +12,9 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from conftest import TINY
+from conftest import TINY, clbench, run_command
 
 SHORT = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
-
-
-def run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
-    scratch = cwd / ".scratch"  # torchrun's and W&B's temporary folders stay inside the test's folder
-    scratch.mkdir(exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1"}
-    env["TMPDIR"] = str(scratch)
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)  # noqa: PLW1510
-
-
-def clbench(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return run(sys.executable, "-m", "clbench", *args, cwd=cwd)
 
 
 def results(folder: Path) -> list[dict]:
@@ -89,7 +75,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     one = clbench(*overrides, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = Path(sys.executable).with_name("torchrun")
-    two = run(
+    two = run_command(
         str(torchrun),
         "--nproc_per_node=2",
         "-m",
@@ -119,5 +105,5 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
 
 def test_torchrun_refuses_a_multirun(tmp_path: Path) -> None:
     torchrun = Path(sys.executable).with_name("torchrun")
-    out = run(str(torchrun), "--nproc_per_node=2", "-m", "clbench", "-m", *SHORT, "seed=0,1", cwd=tmp_path)
+    out = run_command(str(torchrun), "--nproc_per_node=2", "-m", "clbench", "-m", *SHORT, "seed=0,1", cwd=tmp_path)
     assert out.returncode != 0 and "run sweeps with -m without torchrun" in out.stderr
