@@ -47,7 +47,7 @@ class OutputFolderCheck(Callback):
         try:
             check_writable(Path(str(folder)))
         except ClbenchError as err:
-            print(f"\nclbench: {err}", file=sys.stderr)
+            report(str(err))
             sys.exit(2)
 
 
@@ -66,6 +66,16 @@ def hand_on(signum: int) -> None:
     handler = signal.getsignal(signum)
     if callable(handler) and handler is not signal.default_int_handler:
         handler(signum, None)
+
+
+def report(message: str) -> None:
+    """A user error: one paragraph on the terminal, and the same line in the run folder's log (not a second
+    time on the terminal through the log's console handler)."""
+    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
+    print(f"\nclbench: {message}", file=sys.stderr)
 
 
 def objective(results: dict[str, dict[str, float | None]], key: str) -> float:
@@ -106,8 +116,7 @@ def app(cfg: DictConfig) -> float | None:
             return math.nan
         sys.exit(0)
     except ClbenchError as err:
-        log.error("%s", err)
-        print(f"\nclbench: {err}", file=sys.stderr)
+        report(str(err))
         if multirun:  # one bad job must not end the sweep; its results.json (if any) says failed
             return math.nan
         sys.exit(2)
