@@ -11,6 +11,7 @@ gloo on CPU.
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -59,15 +60,20 @@ class Ranks:
         return box[0]
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        """``module`` under DDP (gradients averaged during backward). Unused parameters are allowed: methods train
-        heads, masks or prompts that a given batch may not reach. Buffers (masks, owners, counters) are not
-        re-broadcast at every forward: the ranks compute the same updates, and DDP aligns them when it wraps."""
+        """``module`` under DDP (gradients averaged during backward). The wrapper lives for one phase, in which a
+        method uses the same parameters at every step: a static graph, whose unused parameters (other tasks' heads,
+        say) DDP finds once, at the first step. Buffers (masks, owners, counters) are not re-broadcast at every
+        forward: the ranks compute the same updates, and DDP aligns them when it wraps."""
         if self.size == 1:
             return module
-        ids = [device.index] if device.type == "cuda" else None
-        return nn.parallel.DistributedDataParallel(
-            module, device_ids=ids, find_unused_parameters=True, broadcast_buffers=False
+        ddp = nn.parallel.DistributedDataParallel
+        no_forward_sync = (  # the flag's name since torch 2.15; the old one before
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(ddp).parameters
+            else {"broadcast_buffers": False}
         )
+        ids = [device.index] if device.type == "cuda" else None
+        return ddp(module, device_ids=ids, static_graph=True, **no_forward_sync)
 
     def agree(self, signum: int | None) -> int | None:
         """A stop signal any rank received, on every rank (so all ranks checkpoint and stop at the same step)."""
