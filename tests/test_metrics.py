@@ -59,3 +59,8 @@ def test_forgetting_matrix_entries() -> None:
     assert f[2, 1] == pytest.approx(80 - 50)
     assert math.isnan(f[1, 1]) and math.isnan(f[2, 2])
     assert metrics.to_nullable(f)[2] == [30.0, 30.0, None]
+
+
+def test_metric_names_list_exactly_what_summary_computes() -> None:
+    """``objective=`` is validated against ``metrics.NAMES``; it must name every metric summary() reports."""
+    assert tuple(metrics.summary([[50.0]], [None], None)) == metrics.NAMES

@@ -16,7 +16,6 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from clbench import distributed
 from clbench.config import RunConfig, register_schemas, validate
 from clbench.errors import ClbenchError, Preempted
 from clbench.files import check_writable
@@ -93,9 +92,10 @@ def app(cfg: DictConfig) -> float | None:
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         run_cfg = requeued(validate(cfg))
-        ranks = distributed.init(run_cfg.trainer.device)
-        from clbench.run import train  # heavy imports (torch, timm) only once the config is known to be valid
+        from clbench import distributed  # heavy imports (torch, timm) only once the config is known to be valid
+        from clbench.run import train
 
+        ranks = distributed.init(run_cfg.trainer.device)
         run_dir = Path(ranks.broadcast(hydra_cfg.runtime.output_dir))  # torchrun: rank 0's folder for every rank
         results = train(
             run_cfg,
@@ -125,12 +125,10 @@ def app(cfg: DictConfig) -> float | None:
             raise
         log.exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
         return math.nan
-    finally:
-        distributed.shutdown()
 
 
 def main() -> None:
-    if distributed.launched_by_torchrun():
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks, read without importing torch (--help stays fast)
         if {"-m", "--multirun"} & set(sys.argv[1:]):
             sys.exit("clbench: torchrun runs one job over several processes; run sweeps with -m without torchrun.")
         if int(os.environ.get("RANK", "0")) > 0:  # rank 0 owns the run folder and the logs; its path is broadcast

@@ -11,6 +11,7 @@ gloo on CPU.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import os
 from dataclasses import dataclass
@@ -60,12 +61,11 @@ class Ranks:
         return box[0]
 
     def wrap(self, module: nn.Module, device: torch.device) -> nn.Module:
-        """``module`` under DDP (gradients averaged during backward). The wrapper lives for one phase, in which a
-        method uses the same parameters at every step: a static graph, whose unused parameters (other tasks' heads,
-        say) DDP finds once, at the first step. Buffers (masks, owners, counters) are not re-broadcast at every
-        forward: the ranks compute the same updates, and DDP aligns them when it wraps."""
-        if self.size == 1:
-            return module
+        """``module`` under DDP (gradients averaged during backward); only for a run of several ranks. The wrapper
+        lives for one phase, in which a method uses the same parameters at every step: a static graph, whose unused
+        parameters (other tasks' heads, say) DDP finds once, at the first step. Buffers (masks, owners, counters)
+        are not re-broadcast at every forward: the ranks compute the same updates, and DDP aligns them when it
+        wraps."""
         ddp = nn.parallel.DistributedDataParallel
         no_forward_sync = (  # the flag's name since torch 2.15; the old one before
             {"forward_sync_buffers": False}
@@ -91,26 +91,14 @@ def current() -> Ranks:
     return Ranks()
 
 
-def launched_by_torchrun() -> bool:
-    return int(os.environ.get("WORLD_SIZE", "1")) > 1
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", "0"))
-
-
 def init(device: str) -> Ranks:
-    """Join the process group torchrun describes in the environment (NCCL for CUDA, gloo for CPU); a no-op for a
-    single process. ``device`` is ``trainer.device``."""
-    if not launched_by_torchrun() or dist.is_initialized():
+    """Join the process group torchrun describes in the environment (NCCL for CUDA, gloo for CPU), left again when
+    the process exits; a no-op for a single process. ``device`` is ``trainer.device``."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1 or dist.is_initialized():
         return current()
     cuda = device != "cpu" and torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(local_rank())
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
+    atexit.register(dist.destroy_process_group)
     return current()
-
-
-def shutdown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
