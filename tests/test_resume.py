@@ -69,14 +69,16 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
 
 def clbench_killing_itself(run_dir: Path, kill: str, after: int, *overrides: str) -> subprocess.CompletedProcess:
     """Run clbench in a process that sends itself ``kill`` (KILL: after its ``after``-th checkpoint; TERM or USR2:
-    at its ``after``-th training step). For USR2 a stand-in for submitit's handler is installed first: it records
-    the call in ``requeued`` (where submitit requeues the job) and exits as submitit does."""
+    at its ``after``-th training step). For USR2 a stand-in for submitit's handler is installed first: it writes
+    the batch position of the checkpoint it finds to ``requeued`` (where submitit requeues the job) and exits as
+    submitit does."""
     script = f"""
 import os, signal, sys
 import clbench.checkpoint as ckpt, clbench.run as run
 count = {{"n": 0}}
 def requeue(signum, frame):
-    open("{run_dir.parent / "requeued"}", "w").write(str(os.path.exists("{run_dir / "checkpoint.pt"}")))
+    position, _ = ckpt.load(__import__("pathlib").Path("{run_dir}"))
+    open("{run_dir.parent / "requeued"}", "w").write(str(position.cursor.batch))
     sys.exit(-1)
 signal.signal(signal.SIGUSR2, requeue)
 if "{kill}" == "KILL":
@@ -144,9 +146,9 @@ def test_a_slurm_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tm
     run_dir = tmp_path / "job"
     stopped = clbench_killing_itself(run_dir, "USR2", 9, *overrides)  # submitit's signal before the time limit
     assert stopped.returncode == 255, stopped.stderr[-2000:]  # submitit's handler exits with -1 after requeueing
-    assert (tmp_path / "requeued").read_text() == "True"  # the handler ran after the checkpoint was written
     position, _ = checkpoint.load(run_dir)
-    assert position.task == 1 and position.cursor is not None
+    assert position.task == 1 and position.cursor is not None and position.cursor.batch > 0  # the signal's step
+    assert (tmp_path / "requeued").read_text() == str(position.cursor.batch)  # the handler saw that checkpoint
     # the requeued job: the same command, no resume=true
     again = clbench(*overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path, SLURM_RESTART_COUNT="1")
     assert again.returncode == 0, again.stderr[-2000:]
