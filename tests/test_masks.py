@@ -37,13 +37,15 @@ def test_threshold_mask_forward_and_straight_through_gradient() -> None:
     assert torch.equal(scores.grad, upstream)  # identity, also where the mask is 0
 
 
-def test_topk_mask_keeps_exactly_the_density_and_passes_gradients() -> None:
+def test_topk_mask_keeps_exactly_the_density_and_passes_gradients_through_the_magnitude() -> None:
     scores = torch.randn(48, 37, requires_grad=True)
     mask = topk_mask(scores, 0.3)
     assert int(mask.sum()) == round(0.3 * 48 * 37)
     assert mask[scores.abs() >= scores.abs().flatten().kthvalue(48 * 37 - round(0.3 * 48 * 37) + 1).values].all()
-    mask.sum().backward()
-    assert torch.equal(scores.grad, torch.ones_like(scores))
+    upstream = torch.randn(48, 37)
+    (mask * upstream).sum().backward()
+    # edge-popup ranks |S|: the straight-through gradient reaches S through |S|, dL/dS = dL/dm * sign(S)
+    assert torch.equal(scores.grad, upstream * scores.detach().sign())
 
 
 @pytest.mark.parametrize(
@@ -209,3 +211,38 @@ def test_supsup_infers_tasks_better_than_chance_on_a_trained_model() -> None:
     # the class-incremental prediction is the inferred task's own head, -inf elsewhere
     logits = method.predict(rt.test_tf(rt.benchmark.test[1].x[:3]), None)
     assert logits.shape == (3, 6) and torch.isinf(logits).sum(1).eq(4).all()
+
+
+def test_supsup_superposition_memory_does_not_grow_with_the_number_of_tasks() -> None:
+    """The superposed forward keeps, for backward, only what one task needs: the bytes autograd saves are the
+    same for 2 and 8 tasks, and the output and dH/dalpha equal the stacked sum over tasks."""
+    layer = MaskedLinear(torch.nn.Linear(16, 24))
+    x = torch.randn(4, 5, 16)
+
+    def saved_bytes_and_result(tasks: int) -> tuple[int, torch.Tensor, torch.Tensor]:
+        torch.manual_seed(tasks)
+        masks = torch.rand(tasks, 24, 16) > 0.5
+        alpha = torch.full((4, tasks), 1 / tasks, requires_grad=True)
+        layer.superposed, layer.alpha = masks, alpha
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = layer(x)
+        (grad,) = torch.autograd.grad(out.square().sum(), alpha)
+        layer.superposed = layer.alpha = None
+        stacked = torch.stack([torch.nn.functional.linear(x, layer.weight * m) for m in masks.float()], 1)
+        expected = (alpha.detach()[:, :, None, None] * stacked).sum(1) + layer.bias
+        assert torch.allclose(out, expected, atol=1e-5)
+        a = alpha.detach().clone().requires_grad_(True)
+        (ref,) = torch.autograd.grad(((a[:, :, None, None] * stacked).sum(1) + layer.bias).square().sum(), a)
+        assert torch.allclose(grad, ref, atol=1e-4)
+        inputs = {t.untyped_storage().data_ptr() for t in (x, masks, alpha, layer.weight, layer.bias)}
+        return sum(v for k, v in saved.items() if k not in inputs), out, grad
+
+    two, _, _ = saved_bytes_and_result(2)
+    eight, _, _ = saved_bytes_and_result(8)
+    assert two == eight  # nothing of size T x (B, N, out) is kept for backward

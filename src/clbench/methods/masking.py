@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 DEFAULT_TARGETS = ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")
 MASKABLE = (*DEFAULT_TARGETS, "patch_embed.proj")
@@ -47,12 +48,19 @@ class MaskedLayer(nn.Module):
         """``bias`` shaped to broadcast over the layer's output."""
         return bias
 
+    def superposed_term(self, x: torch.Tensor, mask: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """alpha[b] * layer(x_b; W * mask) for every sample b (one task's share of the superposition)."""
+        out = self.apply_weight(x, self.weight * mask.to(self.weight.dtype), None)
+        return alpha.to(out.dtype).view(-1, *([1] * (out.dim() - 1))) * out
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.superposed is not None and self.alpha is not None:
-            w = self.weight
-            outs = torch.stack([self.apply_weight(x, w * m.to(w.dtype), None) for m in self.superposed], dim=1)
-            alpha = self.alpha.to(outs.dtype).view(*self.alpha.shape, *([1] * (outs.dim() - 2)))
-            out = (alpha * outs).sum(1)
+            # Summed task by task under activation checkpointing: backward recomputes each task's output instead of
+            # keeping T of them (B x T x N x out), so memory does not grow with the number of tasks.
+            out = sum(
+                checkpoint(self.superposed_term, x, m, self.alpha[:, t], use_reentrant=False)
+                for t, m in enumerate(self.superposed)
+            )
             return out if self.bias is None else out + self.bias_view(self.bias)
         weight = self.weight if self.mask is None else self.weight * self.mask.to(self.weight.dtype)
         return self.apply_weight(x, weight, self.bias)
@@ -141,12 +149,15 @@ def threshold_mask(scores: torch.Tensor, threshold: float) -> torch.Tensor:
 
 
 def topk_mask(scores: torch.Tensor, density: float) -> torch.Tensor:
-    """Edge-popup's GetSubnet: 1 on the round(density * numel) largest |scores|, straight-through gradient."""
+    """Edge-popup's GetSubnet applied to |scores|: 1 on the round(density * numel) largest |scores|, with the
+    straight-through gradient taken through |S|, so dL/dS = dL/dm * sign(S) (as the official
+    ``GetSubnet.apply(scores.abs())``; a gradient to the signed S pushes every negative score the wrong way)."""
     k = max(1, round(density * scores.numel()))
-    flat = scores.detach().abs().flatten()
+    magnitude = scores.abs()
+    flat = magnitude.detach().flatten()
     keep = torch.zeros_like(flat, dtype=torch.bool)
     keep[flat.topk(k, sorted=False).indices] = True
-    return StraightThrough.apply(scores, keep.view_as(scores))
+    return StraightThrough.apply(magnitude, keep.view_as(scores))
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
