@@ -3,7 +3,9 @@
 Every masked weight has an owner index (uint8; 0 = free, k = task k-1). Task k takes all free weights and
 trains only them (gradients of other weights are zeroed), then the fraction ``prune_ratio`` of its weights
 with the smallest magnitude is freed (set to 0) in every layer and the rest is retrained; its weights are
-then frozen. Task k is evaluated with the weights owned by tasks <= k. Biases, LayerNorms, embeddings and
+then frozen. The last task of the run keeps all the free weights it trained and is neither pruned nor retrained
+(the official schedule's prune fraction -1 for the final dataset; ``prune_last=true`` prunes and retrains it
+too, clbench's earlier behaviour). Task k is evaluated with the weights owned by tasks <= k. Biases, LayerNorms, embeddings and
 the patch embedding (unless ``patch_embed.proj`` is in ``layers``, which packs it too) are trained with the
 first task and frozen afterwards.
 
@@ -32,11 +34,14 @@ from clbench.methods.masking import DEFAULT_TARGETS, buffer_name
 class PackNetConfig:
     prune_ratio: float = 0.75  # fraction of a task's weights freed after training it (paper: 0.75 per added task)
     retrain_epochs: int = 10  # post-pruning retraining (paper: 10)
+    retrain_lr: float | None = 1e-4  # lr of the retrain phase (official scripts: 1e-4); null: trainer.lr
+    prune_last: bool = False  # false: the last task is not pruned (official schedule) | true: pruned and retrained
     layers: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
     def __post_init__(self) -> None:
         require(0 <= self.prune_ratio < 1, "method.prune_ratio", self.prune_ratio, "a float in [0, 1)")
         require(self.retrain_epochs >= 0, "method.retrain_epochs", self.retrain_epochs, "an integer >= 0")
+        require(self.retrain_lr is None or self.retrain_lr > 0, "method.retrain_lr", self.retrain_lr, "null or > 0")
 
 
 class PackNet(MaskedMethod):
@@ -69,7 +74,13 @@ class PackNet(MaskedMethod):
             owner[owner == 0] = task.id + 1
         self.state = "train"
 
+    def is_pruned(self, task: Task) -> bool:
+        """Every task but the run's last is pruned (``prune_last``: the last too)."""
+        return self.config.prune_last or task.id < len(self.tasks) - 1
+
     def phases(self, task: Task, epochs: int) -> list[Phase]:
+        if not self.is_pruned(task):
+            return [Phase("train", epochs)]
         return [Phase("train", epochs), Phase("retrain", self.config.retrain_epochs)]
 
     def before_phase(self, task: Task, phase: Phase) -> None:
@@ -107,6 +118,9 @@ class PackNet(MaskedMethod):
         for w in masked:
             w.requires_grad_(True)
         groups.append({"params": masked, "weight_decay": 0.0})
+        if phase.name == "retrain" and self.config.retrain_lr is not None:
+            for group in groups:
+                group["lr"] = self.config.retrain_lr
         if task.id == 0:  # shared parameters (biases, norms, embeddings) learn with the first task only
             ids = {id(w) for w in masked}
             shared = [p for p in self.backbone.parameters() if id(p) not in ids]
