@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+MAX_SCALE = 30.0  # the largest exponent a masked key's weight may take in a mask gradient (finite, also squared)
+
 
 class ChannelAffine(nn.Module):
     """y = weight * x + bias per channel of a (B, C, H, W) tensor."""
@@ -68,7 +70,7 @@ class RefinerAttention(nn.Module):
         is_causal: bool = False,
         keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``keep`` (N,): MEAT's key mask over all N tokens (prefix tokens included)."""
+        """``keep`` (N,) or (B, N): MEAT's key mask over all N tokens (prefix tokens included)."""
         if is_causal:
             raise ValueError("Refiner attention is not causal")
         b, n, _ = x.shape
@@ -79,9 +81,10 @@ class RefinerAttention(nn.Module):
             scores = scores + attn_mask
         if keep is None:
             attn = scores.softmax(dim=-1)
-        else:
-            keep = keep.to(scores.dtype).view(1, 1, 1, -1)
-            weights = (scores - scores.amax(-1, keepdim=True)).exp() * keep
+        else:  # Eq. 5, shifted by the row maximum over the kept keys: no 0/0 whatever the masked keys' logits
+            keep = keep.to(scores.dtype).reshape(-1, 1, 1, keep.shape[-1])
+            top = scores.detach().masked_fill(keep == 0, float("-inf")).amax(-1, keepdim=True)
+            weights = (scores - top).clamp_max(MAX_SCALE).exp() * keep  # a masked key's gradient stays finite
             attn = weights / weights.sum(-1, keepdim=True)
         attn = attn + self.refine(attn)
         if keep is not None:

@@ -9,7 +9,8 @@ Per task, two kinds of binary masks are learned over the frozen backbone (the pr
   ``mlp.fc2`` (biases unmasked), through the shared masked-Linear mechanism.
 
 Every mask entry has two logits t (keep, drop). Training samples m = hard Gumbel-softmax(t, ``tau``)[keep]
-with a straight-through gradient (Eq. 6); evaluation and the stored mask use the argmax, without noise
+with a straight-through gradient (Eq. 6), token masks once per image and FFN masks once per forward pass (as the
+official code); evaluation and the stored mask use the argmax, without noise
 (Eq. 7). ``init=uniform`` draws both logits from U(-gamma, gamma) (the paper); ``init=keep`` sets
 (gamma, -gamma), so every mask starts as "keep" (the official code).
 
@@ -121,12 +122,16 @@ class MEAT(ScoredMaskMethod):
         return self.keep_argmax(scores)
 
     # ----------------------------------------------------------------------------- token masks
-    def token_mask(self, layer: int, task_id: int) -> torch.Tensor | None:
+    def token_mask(self, layer: int, task_id: int, batch: int | None = None) -> torch.Tensor | None:
+        """The stored mask (N,) of a finished task; for the task in training, one sample (N,), or with ``batch``
+        one sample per image (B, N): the official code's per-sample Gumbel noise (one draw for the whole batch
+        would multiply the variance of the mask gradient by the batch size)."""
         stored = getattr(self, f"token_{task_id}_{layer}", None)
         if stored is not None:
             return stored
         if task_id == self.num_seen - 1 and f"token_{layer}" in self.scores:
-            return self.sample(self.scores[f"token_{layer}"])
+            logits = self.scores[f"token_{layer}"]
+            return self.sample(logits if batch is None else logits.expand(batch, *logits.shape))
         return None
 
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
@@ -150,8 +155,9 @@ class MEAT(ScoredMaskMethod):
             self.scores[f"token_{i}"] = nn.Parameter(self.init_logits(self.num_tokens))
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        """CE + alpha * L_dc, with one Gumbel sample per token-masked layer shared by the forward pass and L_dc."""
-        keep = {i: self.token_mask(i, task.id) for i in self.attentions}
+        """CE + alpha * L_dc (Eqs. 9-10), with one Gumbel sample per image and token-masked layer, shared by the
+        forward pass and L_dc (whose kept fraction is the mean over images and tokens, as the official code's)."""
+        keep = {i: self.token_mask(i, task.id, len(x)) for i in self.attentions}
         logits = self.heads[task.id](self._features_with(x, task.id, keep))
         ce = F.cross_entropy(logits, y - task.offset)
         if not keep:

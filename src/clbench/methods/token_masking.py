@@ -12,6 +12,14 @@ all tokens are still computed. Both paths below run PyTorch's fused scaled-dot-p
   attention (CUDA and CPU) needs equal q/k/v widths that are multiples of 8, so q, k and the extended values are
   all padded with zero columns to the next multiple of 8 above head_dim (zero columns leave q.k unchanged; the
   scale stays head_dim^-0.5). Unpadded, the width head_dim + 1 sends attention to the unfused math kernel.
+  A masked key whose logit exceeded every kept one by ~100 would make both numerator and denominator underflow
+  (0/0). So each masked key j is biased down by b_j = max(0, c_j - 20), where c_j = max_i |q_i| |k_j - k_0| / sqrt(d)
+  bounds how far its logit can exceed the always-kept key 0's, and its extended value is scaled by e^{b_j}: the
+  ratio and its gradient are unchanged, and the kept keys' share of the softmax never falls below e^-20/N, so the
+  ratio's gradient (1/share^2) stays finite too. The forward and the q/k/v gradients are exact for any logits; a
+  masked key's mask gradient is exact while b_j <= 30 and scaled down by e^(30 - b_j) beyond (never inf or NaN).
+
+Masks are (N,), one per layer, or (B, N), one per image (MEAT's training samples).
 """
 
 from __future__ import annotations
@@ -20,27 +28,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clbench.backbones.refiner import RefinerAttention
+from clbench.backbones.refiner import MAX_SCALE, RefinerAttention
 
 WIDTH_ALIGN = 8  # flash attention takes equal q/k/v widths that are multiples of 8
+KEPT_SHARE = 20.0  # after its bias, a masked key's logit exceeds key 0's by at most this: share >= e^-20 / N
 
 
 def key_bias(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A keep-mask over the N keys -> additive attention bias of shape (1, 1, 1, N)."""
-    bias = torch.zeros(keep.shape[-1], dtype=dtype, device=keep.device).masked_fill(keep == 0, float("-inf"))
-    return bias.view(1, 1, 1, -1)
+    """A keep-mask over the N keys, (N,) or (B, N) -> additive attention bias of shape (1 or B, 1, 1, N)."""
+    bias = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(keep == 0, float("-inf"))
+    return bias.view(-1, 1, 1, keep.shape[-1])
 
 
 def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Eq. 5 for q, k, v of shape (B, H, N, d) and keep of shape (N,): attention over the kept keys."""
+    """Eq. 5 for q, k, v of shape (B, H, N, d) and keep of shape (N,) or (B, N), key 0 always kept: attention over
+    the kept keys."""
     if not keep.requires_grad:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=key_bias(keep, q.dtype))
-    m = keep.to(v.dtype).view(1, 1, -1, 1)
+    m = keep.to(v.dtype).view(-1, 1, keep.shape[-1], 1)  # (1 or B, 1, N, 1)
     d = v.shape[-1]
+    scale = d**-0.5
+    with torch.no_grad():  # the bias and its compensation are constants: they cancel in the ratio
+        bound = q.norm(dim=-1).amax(-1, keepdim=True) * (k - k[..., :1, :]).norm(dim=-1) * scale  # (B, H, N)
+        shift = (bound.float() - KEPT_SHARE).clamp_min(0) * (m.squeeze(-1) == 0)
+        compensation = shift.clamp_max(MAX_SCALE).exp().to(v.dtype).unsqueeze(-1)
     width = d + 1 + (-(d + 1) % WIDTH_ALIGN)
-    values = torch.cat([v * m, m.expand(*v.shape[:-1], 1)], dim=-1)
+    gate = m * compensation  # 0 for masked keys: their (huge) value gradient never meets an inf
+    values = torch.cat([v * gate, gate.expand(*v.shape[:-1], 1)], dim=-1)
     q, k, values = (F.pad(t, (0, width - t.shape[-1])) for t in (q, k, values))
-    out = F.scaled_dot_product_attention(q, k, values, scale=d**-0.5)
+    bias = (-shift).to(q.dtype).unsqueeze(-2)  # (B, H, 1, N)
+    out = F.scaled_dot_product_attention(q, k, values, attn_mask=bias, scale=scale)
     return out[..., :d] / out[..., d : d + 1]
 
 
@@ -59,7 +76,7 @@ class KeyMaskedAttention(nn.Module):
             return self.attn(x, attn_mask=attn_mask, is_causal=is_causal)
         if attn_mask is not None or is_causal:
             raise ValueError("token masks cannot be combined with another attention mask")
-        keep = torch.cat([self.keep.new_ones(self.num_prefix_tokens), self.keep])
+        keep = torch.cat([self.keep.new_ones(*self.keep.shape[:-1], self.num_prefix_tokens), self.keep], dim=-1)
         if isinstance(self.attn, RefinerAttention):  # it masks its own explicit attention maps
             return self.attn(x, keep=keep)
         a = self.attn
