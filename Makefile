@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-all bench lint format clean
+.PHONY: help install run test test-all bench weights lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ test-all: $(STAMP)  ## every test, slow ones included
 
 bench: $(STAMP)  ## step throughput of every method vs plain timm references -> bench.json (vit_micro on CPU)
 	HF_HUB_OFFLINE=1 $(PY) -m clbench.bench $(ARGS)
+
+weights: $(STAMP)  ## regenerate the shipped micro-ViT weights bit for bit (stroke-glyph pretraining, CPU)
+	$(PY) -m clbench.pretraining.vit_micro $(ARGS)
 
 lint: $(STAMP)  ## ruff check + format check
 	$(VENV)/bin/ruff check src tests

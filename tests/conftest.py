@@ -23,6 +23,7 @@ TINY = [
     "data=synthetic_tiny",
     "data.num_tasks=3",
     "backbone=vit_micro",
+    "backbone.pretrained=false",
     "backbone.img_size=16",
     "backbone.kwargs.depth=1",
     "backbone.kwargs.embed_dim=32",

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
-from clbench.backbones import build_backbone, input_stats
-from clbench.config import BackboneConfig
+from clbench.backbones import build_backbone, input_stats, sha256, timm_vit, weights_file
+from clbench.backbones.timm_vit import WEIGHTS_DIR
+from clbench.config import BackboneConfig, validate
 from clbench.errors import ConfigError, WeightsError
+from clbench.pretraining.vit_micro import parser, pretrain
+from conftest import compose_config
 
 MICRO = dict(patch_size=4, embed_dim=32, depth=1, num_heads=2)
 
@@ -67,3 +71,44 @@ def test_input_stats_follow_the_weights_or_identity() -> None:
     model = build_backbone(micro())
     assert input_stats(model, micro()) == ((0.5, 0.5, 0.5), (0.5, 0.5, 0.5))
     assert input_stats(model, micro(normalize=False)) == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+
+
+def test_the_default_micro_vit_loads_the_shipped_weights_and_pretrained_false_is_random() -> None:
+    shipped = validate(compose_config()).backbone
+    assert shipped.pretrained and shipped.tag == "glyphs"
+    path = weights_file(shipped, build_backbone(shipped))
+    assert path == WEIGHTS_DIR / "vit_micro.glyphs.safetensors" and path.is_file()
+    state = load_file(str(path))
+    loaded = build_backbone(shipped).state_dict()
+    assert state.keys() == loaded.keys() and all(torch.equal(loaded[k], v) for k, v in state.items())
+    random = validate(compose_config("backbone.pretrained=false")).backbone
+    model = build_backbone(random)
+    assert weights_file(random, model) is None
+    assert not torch.equal(model.state_dict()["blocks.0.attn.qkv.weight"], state["blocks.0.attn.qkv.weight"])
+
+
+def test_a_missing_shipped_file_says_how_to_make_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(timm_vit, "WEIGHTS_DIR", tmp_path)
+    with pytest.raises(WeightsError, match="make weights"):
+        build_backbone(validate(compose_config()).backbone)
+
+
+def test_weights_are_identified_by_the_sha256_of_the_file_loaded(tmp_path: Path) -> None:
+    path = tmp_path / "w.safetensors"
+    save_file({k: v.contiguous() for k, v in build_backbone(micro()).state_dict().items()}, str(path))
+    cfg = micro(weights=str(path))
+    assert weights_file(cfg, build_backbone(cfg)) == path
+    assert sha256(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_pretraining_regenerates_the_same_file_bit_for_bit(tmp_path: Path) -> None:
+    """`make weights` is deterministic: the same seed writes the same bytes (a short run of the same code)."""
+    small = {"--classes": 4, "--train-per-class": 16, "--test-per-class": 4, "--epochs": 2, "--batch-size": 16}
+    micro_keys = build_backbone(validate(compose_config("backbone.pretrained=false")).backbone).state_dict().keys()
+    digests = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.safetensors"
+        args = parser().parse_args([*(f"{k}={v}" for k, v in small.items()), f"--out={out}"])
+        digests.append(pretrain(args)["sha256"])
+        assert load_file(str(out)).keys() == micro_keys  # the whole micro ViT, loadable by backbone=vit_micro
+    assert digests[0] == digests[1]

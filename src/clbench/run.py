@@ -33,7 +33,7 @@ from rich.progress import (
 from torch import nn
 
 from clbench import __version__, checkpoint, distributed
-from clbench.backbones import build_backbone, input_stats
+from clbench.backbones import build_backbone, input_stats, sha256, weights_file
 from clbench.checkpoint import Cursor, Position
 from clbench.config import RunConfig, TrainerConfig, as_dict
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
@@ -420,6 +420,11 @@ def train(
     benchmark, device = rt.benchmark, rt.device
     results = Results(header(cfg), benchmark.tasks)
     results.header["device"] = str(device)
+    loaded = weights_file(cfg.backbone, method.backbone)
+    results.header["backbone_config"] |= {
+        "weights_file": str(loaded) if loaded else None,
+        "weights_sha256": sha256(loaded) if loaded else None,  # two runs on different weights never look alike
+    }
     if benchmark.splits:
         results.header["data_splits"] = benchmark.splits
     position, wandb_id = restore(cfg, run_dir, method, rt, results) if resuming else (Position(0, 0), None)

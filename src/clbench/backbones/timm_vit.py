@@ -4,15 +4,20 @@
 ``HF_HUB_OFFLINE``). ``weights=PATH`` loads a local .safetensors/.pth/.npz through timm's own loader,
 so the classifier is dropped and position embeddings are resampled to ``img_size`` as timm does; an
 .npz is read with timm's loader for Google's original ViT checkpoints (e.g. ViT-B_16.npz, L2P's weights).
+``pretrained=true`` with a tag clbench ships (``SHIPPED_WEIGHTS``: ``glyphs``, the micro ViT pretrained on
+procedural stroke glyphs by ``make weights``) loads that file from the package, no network needed.
 ``refiner=true`` then swaps every block's attention for Refiner attention (:mod:`clbench.backbones.refiner`),
 which computes the loaded ViT's attention exactly until its refinement is trained.
+:func:`weights_file` names the file a config loads, so that a run records its SHA-256.
 """
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import timm
+import torch
 from timm.models import is_model_in_modules
 from timm.models.vision_transformer import VisionTransformer
 
@@ -21,11 +26,51 @@ from clbench.config import BackboneConfig
 from clbench.errors import ConfigError, WeightsError
 
 VIT_MODULES = ("vision_transformer", "deit")  # the timm modules whose models are VisionTransformers
+WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
+SHIPPED_WEIGHTS = {"glyphs": "vit_micro.glyphs.safetensors"}  # tag -> file in clbench/weights (`make weights`)
+
+
+def local_weights(cfg: BackboneConfig) -> Path | None:
+    """The local file a config loads: ``weights`` if set, else the shipped file of a ``pretrained`` shipped tag."""
+    if cfg.weights:
+        return Path(cfg.weights).expanduser()
+    if cfg.pretrained and cfg.tag in SHIPPED_WEIGHTS:
+        return WEIGHTS_DIR / SHIPPED_WEIGHTS[cfg.tag]
+    return None
+
+
+def weights_file(cfg: BackboneConfig, model: VisionTransformer) -> Path | None:
+    """The file the backbone's weights were loaded from (local, shipped, or the hub's cached copy); None for a
+    random initialisation or a hub file that cannot be located."""
+    local = local_weights(cfg)
+    if local is not None or not cfg.pretrained:
+        return local
+    source = model.pretrained_cfg or {}
+    if source.get("hf_hub_id"):
+        from huggingface_hub import try_to_load_from_cache
+
+        for filename in ("open_clip_pytorch_model.bin", "model.safetensors", "pytorch_model.bin"):
+            found = try_to_load_from_cache(source["hf_hub_id"], filename)
+            if isinstance(found, str):
+                return Path(found)
+    if source.get("url"):
+        cached = Path(torch.hub.get_dir()) / "checkpoints" / Path(source["url"]).name
+        return cached if cached.is_file() else None
+    return None
+
+
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
     """The configured ViT without a classifier; raises a clear error when weights cannot be had."""
-    name = f"{cfg.model}.{cfg.tag}" if cfg.tag else cfg.model
+    shipped = cfg.tag in SHIPPED_WEIGHTS  # clbench's tag, not timm's: the architecture is the bare model
+    name = f"{cfg.model}.{cfg.tag}" if cfg.tag and not shipped else cfg.model
     if not timm.is_model(cfg.model):
         raise ConfigError(
             f"Invalid value for `backbone.model`: {cfg.model!r} is not a timm model. "
@@ -37,10 +82,11 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
             "Allowed: timm models of the vision_transformer and deit families (vit_*, deit_*)."
         )
     kwargs = dict(num_classes=0, img_size=cfg.img_size, drop_path_rate=cfg.drop_path_rate, **cfg.kwargs)
-    if cfg.weights:
-        path = Path(cfg.weights).expanduser()
+    path = local_weights(cfg)
+    if path is not None:
         if not path.is_file():
-            raise WeightsError(f"backbone.weights={str(path)!r} does not exist or is not a file.")
+            hint = "run `make weights` to regenerate the shipped file" if not cfg.weights else "check the path"
+            raise WeightsError(f"The backbone weights file {str(path)!r} does not exist or is not a file: {hint}.")
         overlay = dict(file=str(path), custom_load=path.suffix == ".npz")
         try:
             model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
