@@ -134,3 +134,45 @@ def test_the_two_way_gumbel_sampler_matches_gumbel_softmax() -> None:
     soft = torch.sigmoid((0.5 + torch.log(u) - torch.log1p(-u)) / 0.5)
     slope = (soft * (1 - soft) / 0.5).item()
     assert torch.allclose(one.grad, torch.tensor([[slope, -slope]]))
+
+
+def test_token_masks_are_drawn_per_image_and_ffn_masks_per_forward() -> None:
+    """The official code's Gumbel noise: each image of a batch gets its own token-mask sample (one draw for the whole
+    batch would multiply the mask gradient's variance by the batch size); an FFN mask is one draw per forward."""
+    method, rt = build_runtime(tiny_config(*MEAT_TINY))
+    task = rt.benchmark.tasks[0]
+    method.before_task(task)
+    method.train()
+    layer = next(iter(method.attentions))
+    masks = method.token_mask(layer, task.id, batch=16)
+    assert masks.shape == (16, method.num_tokens)
+    assert len({tuple(row.tolist()) for row in masks}) > 1  # init=uniform: images disagree on some token
+    name = next(iter(method.layers))
+    assert method.mask_for(name, task.id).shape == method.layers[name].weight.shape
+
+
+def test_a_rank_takes_its_rows_of_the_whole_batch_draw() -> None:
+    """Under torchrun each rank trains on its share of the batch: its token masks are its rows of the draw one process
+    makes for the whole batch (so 2 processes reproduce 1)."""
+    method, rt = build_runtime(tiny_config(*MEAT_TINY))
+    task = rt.benchmark.tasks[0]
+    method.before_task(task)
+    method.train()
+    seen: list[torch.Tensor] = []
+    attn = next(iter(method.attentions.values()))
+    forward = attn.forward
+
+    def spy(x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        seen.append(attn.keep.detach().clone())
+        return forward(x, **kwargs)
+
+    attn.forward = spy
+    x = rt.test_tf(rt.benchmark.train[0].x[:6])
+    y = rt.benchmark.train[0].y[:6]
+    torch.manual_seed(3)
+    method.batch_share = (6, slice(None))
+    method.training_loss(x, y, task)
+    torch.manual_seed(3)
+    method.batch_share = (6, slice(2, 5))
+    method.training_loss(x[2:5], y[2:5], task)
+    assert torch.equal(seen[1], seen[0][2:5])

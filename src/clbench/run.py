@@ -165,6 +165,7 @@ def train_step(
     ``model``: the DDP-wrapped :class:`TaskLoss` of a multi-process run; this rank trains on its share of the
     batch, its loss weighted so that the averaged gradients are the whole batch's."""
     part, weight = rt.ranks.shard(len(y))
+    method.batch_share = (len(y), part)
     x = rt.train_tf(x_raw, part)
     with rt.autocast:
         y = y[part]

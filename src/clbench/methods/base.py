@@ -53,6 +53,10 @@ class Method(nn.Module):
         self.config = config
         self.tasks = benchmark.tasks
         self.heads = nn.ModuleList()
+        # (size of the whole batch, this rank's part of it), set by the loop before each training step: random
+        # draws per sample (MEAT's token masks) are made for the whole batch, so every rank of a multi-process run
+        # consumes random numbers as one process does and takes its own rows.
+        self.batch_share: tuple[int, slice] | None = None
 
     # ----------------------------------------------------------------------------- lifecycle hooks
     @property

@@ -156,15 +156,18 @@ class MEAT(ScoredMaskMethod):
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         """CE + alpha * L_dc (Eqs. 9-10), with one Gumbel sample per image and token-masked layer, shared by the
-        forward pass and L_dc (whose kept fraction is the mean over images and tokens, as the official code's)."""
-        keep = {i: self.token_mask(i, task.id, len(x)) for i in self.attentions}
-        logits = self.heads[task.id](self._features_with(x, task.id, keep))
+        forward pass and L_dc (whose kept fraction is the mean over images and tokens, as the official code's).
+        The samples are drawn for the whole batch and this rank takes its rows (``batch_share``)."""
+        size, part = self.batch_share or (len(x), slice(None))
+        masks = {i: self.token_mask(i, task.id, size) for i in self.attentions}  # (size, N): the whole batch's draws
+        logits = self.heads[task.id](self._features_with(x, task.id, {i: m[part] for i, m in masks.items()}))
         ce = F.cross_entropy(logits, y - task.offset)
-        if not keep:
+        if not masks:
             return ce, {}
-        masks = [m for m in keep.values() if m is not None]
-        dc = drop_control_loss(masks, self.config.lam)
-        kept = torch.stack([m.detach().float().mean() for m in masks]).mean()
+        # L_dc over the whole batch's masks: the same term on every rank of a multi-process run, so the averaged
+        # gradient equals one process's exactly (a mean over a rank's share would not, L_dc being a square).
+        dc = drop_control_loss(list(masks.values()), self.config.lam)
+        kept = torch.stack([m.detach().float().mean() for m in masks.values()]).mean()
         return ce + self.config.alpha * dc, {"drop_control": dc.detach(), "token_keep_ratio": kept}
 
     @torch.no_grad()
