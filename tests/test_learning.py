@@ -1,0 +1,59 @@
+"""Every method learns on the embedded default (digits, 5 tasks of 2 classes, the shipped pretrained micro ViT).
+
+Chance is 50% TIL on 2-class tasks: a broken method (a wrong-signed gradient, a recipe that never steps, a head that
+cannot read its features) sits there. The thresholds come from measured runs (README, "Every method learns") with
+margin for seeds. The fast versions train the first task with each method's default config (make test); the full
+ones run the README's command `clbench method=M data.num_tasks=3` (make test-all), forgetting included.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clbench.config import validate
+from clbench.results import Results
+from clbench.run import train
+from conftest import compose_config
+
+ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat")  # TIL forgetting exactly 0: stored masks, frozen weights
+# HAT's gates are sigmoid(s_max e), not exactly binary: old tasks may move by float noise (at most a point).
+METHODS = ("joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
+
+
+def run(tmp_path: Path, *overrides: str) -> Results:
+    cfg = validate(compose_config("logger.mode=disabled", "trainer.eval_random_init=false", *overrides))
+    results = train(cfg, tmp_path / "run", {})
+    assert results.to_dict()["status"] == "finished"
+    return results
+
+
+def check_forgetting(method: str, forgetting: float) -> None:
+    if method in ZERO_FORGETTING:
+        assert forgetting == 0.0
+    elif method == "hat":
+        assert forgetting <= 1.0
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_learns_the_first_digit_task_with_its_default_config(method: str, tmp_path: Path) -> None:
+    """The fast check: the first task alone, with the method's default recipe, well above chance (50%)."""
+    results = run(tmp_path, f"method={method}", "data.num_tasks=1")
+    assert results.metrics()["til"]["final_acc"] >= 90.0, results.square("til")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_each_method_learns_the_embedded_default_with_its_default_config(method: str, tmp_path: Path) -> None:
+    """The acceptance command: `clbench method=M data.num_tasks=3` reaches TIL final >= 75% (chance 50%)."""
+    metrics = run(tmp_path, f"method={method}", "data.num_tasks=3").metrics()
+    assert metrics["til"]["final_acc"] >= 75.0
+    check_forgetting(method, metrics["til"]["forgetting"])
+
+
+@pytest.mark.slow
+def test_l2p_class_incremental_beats_finetune(tmp_path: Path) -> None:
+    l2p = run(tmp_path / "l2p", "method=l2p", "data.num_tasks=3").metrics()["cil"]["final_acc"]
+    finetune = run(tmp_path / "finetune", "method=finetune", "data.num_tasks=3").metrics()["cil"]["final_acc"]
+    assert l2p > finetune
