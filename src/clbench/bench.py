@@ -6,6 +6,9 @@ batch and image size. References on the same device, precision and input size:
 - ``reference/timm_train``: a plain timm ViT with a classifier, cross-entropy, AdamW (fused on CUDA);
 - ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay);
 - ``reference/timm_inference``: one inference-mode forward (L2P's query pass; its target is frozen + inference).
+``supsup_cil/T=k`` (not in the default list) times SupSup's class-incremental prediction of one batch after k tasks
+(one-shot task inference through the superposed masks, then the inferred tasks' passes): its peak memory shows that
+the superposition's backward does not grow with the number of tasks.
 Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
 runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
 ``--rounds K`` measures the whole list K times, interleaved, and keeps each entry's median round, so that drift
@@ -32,6 +35,9 @@ import torch
 
 METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
 REFERENCES = ("reference/timm_train", "reference/timm_frozen", "reference/timm_inference")
+# SupSup's class-incremental evaluation step (one-shot task inference, then the inferred tasks' passes) after T tasks:
+# its peak memory must not grow with T.
+INFERENCE = ("supsup_cil/T=2", "supsup_cil/T=5", "supsup_cil/T=10")
 # Dense bf16 tensor-core peaks (vendor datasheets); the first name contained in the device's name wins.
 PEAK_BF16_FLOPS = {
     "H100 PCIe": 756e12,
@@ -78,16 +84,16 @@ def step_flops(step: Callable[[], Any]) -> int:
     return counter.get_total_flops()
 
 
-def overrides(args: argparse.Namespace, method: str) -> list[str]:
+def overrides(args: argparse.Namespace, method: str, tasks: int = 1) -> list[str]:
     return [
         f"method={method}",
         f"backbone={args.backbone}",
         f"backbone.img_size={args.image_size}",
         "data=synthetic_tiny",
-        "data.synthetic_classes=2",
+        f"data.synthetic_classes={2 * tasks}",
         f"data.synthetic_train_per_class={args.batch_size}",
         "data.synthetic_test_per_class=1",
-        "data.tasks=1",
+        f"data.tasks={tasks}",
         f"data.synthetic_image_size={args.image_size}",
         f"trainer.batch_size={args.batch_size}",
         f"trainer.device={args.device}",
@@ -129,6 +135,31 @@ def method_step(args: argparse.Namespace, name: str) -> Steps:
         rt.train_tf(split.batch(order, 0, args.batch_size)[0])
 
     return step, data, rt.device
+
+
+def inference_step(args: argparse.Namespace, name: str) -> Steps:
+    """SupSup's class-incremental prediction of one batch after T tasks (masks as drawn at their start)."""
+    from hydra import compose, initialize_config_dir
+
+    from clbench.cli import config_dir
+    from clbench.config import validate
+    from clbench.run import build_runtime, finish_untrained
+
+    tasks = int(name.rsplit("=", 1)[1])
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = validate(compose("config", overrides=overrides(args, "supsup", tasks)))
+    method, rt = build_runtime(cfg)
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        finish_untrained(method, task)
+    method.eval()
+    x = rt.test_tf(rt.benchmark.train[0].x[: args.batch_size])
+
+    def step() -> None:
+        with rt.autocast:
+            method.predict(x, None)
+
+    return step, None, rt.device
 
 
 def reference_step(args: argparse.Namespace, name: str) -> Steps:
@@ -183,7 +214,8 @@ def reference_step(args: argparse.Namespace, name: str) -> Steps:
 def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One entry, measured in this process (run in a fresh one by :func:`main`)."""
     torch.manual_seed(0)
-    step, data, device = (reference_step if name in REFERENCES else method_step)(args, name)
+    build = reference_step if name in REFERENCES else inference_step if name in INFERENCE else method_step
+    step, data, device = build(args, name)
     seconds = timed(step, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
     data_s = timed(data, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats) if data else None
     flops = step_flops(step)
@@ -249,16 +281,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
     )
     parser.add_argument("--peak-flops", type=float, default=None, help="the device's dense bf16 peak (FLOP/s) for MFU")
-    parser.add_argument("--methods", nargs="+", default=[*METHODS, *REFERENCES], help="entries to measure")
+    also = ", ".join(INFERENCE)
+    parser.add_argument("--methods", nargs="+", default=[*METHODS, *REFERENCES], help=f"entries (also {also})")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     args = parser.parse_args(argv)
-    unknown = set(args.methods) - {*METHODS, *REFERENCES}
+    unknown = set(args.methods) - {*METHODS, *REFERENCES, *INFERENCE}
     if unknown:
-        parser.error(f"unknown entries {sorted(unknown)}; choose from {[*METHODS, *REFERENCES]}")
+        parser.error(f"unknown entries {sorted(unknown)}; choose from {[*METHODS, *REFERENCES, *INFERENCE]}")
     return args
 
 
