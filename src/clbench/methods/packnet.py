@@ -5,9 +5,9 @@ trains only them (gradients of other weights are zeroed), then the fraction ``pr
 with the smallest magnitude is freed (set to 0) in every layer and the rest is retrained; its weights are
 then frozen. The last task of the run keeps all the free weights it trained and is neither pruned nor retrained
 (the official schedule's prune fraction -1 for the final dataset; ``prune_last=true`` prunes and retrains it
-too, clbench's earlier behaviour). Task k is evaluated with the weights owned by tasks <= k. Biases, LayerNorms, embeddings and
-the patch embedding (unless ``patch_embed.proj`` is in ``layers``, which packs it too) are trained with the
-first task and frozen afterwards.
+too, clbench's earlier behaviour). Task k is evaluated with the weights owned by tasks <= k. Biases, LayerNorms,
+embeddings and the patch embedding (unless ``patch_embed.proj`` is in ``layers``, which packs it too) are trained
+with the first task and frozen afterwards.
 
 ViT adaptation (a design choice; the paper used VGG/ResNet): masked layers are ``attn.qkv``, ``attn.proj``,
 ``mlp.fc1`` and ``mlp.fc2`` of every block (``layers``). The pretrained weights initialise the first task, which is
