@@ -8,10 +8,12 @@ ones run the README's command `clbench method=M data.num_tasks=3` (make test-all
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
 
+from clbench.backbones.timm_vit import SHIPPED_WEIGHTS, WEIGHTS_DIR
 from clbench.config import validate
 from clbench.results import Results
 from clbench.run import train
@@ -25,7 +27,10 @@ METHODS = ("joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
 def run(tmp_path: Path, *overrides: str) -> Results:
     cfg = validate(compose_config("logger.mode=disabled", "trainer.eval_random_init=false", *overrides))
     results = train(cfg, tmp_path / "run", {})
-    assert results.to_dict()["status"] == "finished"
+    written = results.to_dict()
+    assert written["status"] == "finished"
+    shipped = WEIGHTS_DIR / SHIPPED_WEIGHTS["glyphs"]  # the run names the weights it trained on
+    assert written["backbone_config"]["weights_sha256"] == hashlib.sha256(shipped.read_bytes()).hexdigest()
     return results
 
 

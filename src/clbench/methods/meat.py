@@ -44,7 +44,7 @@ class MEATConfig:
     alpha: float = 2.0  # weight of the drop-control loss (paper: 2)
     lam: float = 0.9  # target keep ratio of the token masks (paper: 0.9)
     tau: float = 1.0  # Gumbel-softmax temperature (paper: not given; official code: 1)
-    init: str = "uniform"  # uniform: U(-gamma, gamma) (paper) | keep: (gamma, -gamma) (official code)
+    init: str = "keep"  # keep: (gamma, -gamma) (official code) | uniform: U(-gamma, gamma) (paper)
     token_mask_layers: list[int] | None = None  # blocks with token masks; null: all (paper); [3, 6, 9]: code
     mask_lr: float | None = 0.1  # learning rate of all mask logits (paper: 0.1 x batch / 1024)
     layers: list[str] = field(default_factory=lambda: ["mlp.fc1", "mlp.fc2"])  # FFN-masked Linears
