@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,26 @@ def run_command(*command: str, cwd: Path, **env: str) -> subprocess.CompletedPro
 def clbench(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """``python -m clbench ARGS`` (what the ``clbench`` command runs)."""
     return run_command(sys.executable, "-m", "clbench", *args, cwd=cwd, **env)
+
+
+def attention_ops(step: Callable[[], object], *, cuda: bool = False) -> tuple[set[str], set[str]]:
+    """The profiled operators of one ``step`` (after a warm-up call): the fused attention ones (flash or
+    memory-efficient scaled-dot-product attention) and any softmax of attention maps (cross-entropy's log-softmax
+    aside)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+    ops = {event.key for event in prof.key_averages()}
+    fused = {op for op in ops if "flash_attention" in op or "efficient_attention" in op}
+    low = {op: op.lower().replace("_", "") for op in ops}  # CUDA kernels: cunn_SoftMaxForward<..., LogSoftMax...>
+    softmax = {op for op in ops if "softmax" in low[op] and "logsoftmax" not in low[op]}
+    return fused, softmax
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clbench.bench import measure, parse
+from conftest import attention_ops
 
 KEYS = {"name", "backbone", "batch_size", "image_size", "images_per_s", "step_ms", "peak_mem_mb", "mfu"}
 TINY = ["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"]
@@ -52,17 +53,11 @@ def test_target_ratios_follow_their_definitions() -> None:
 def test_every_method_trains_with_fused_attention(name: str) -> None:
     """PyTorch's fused scaled-dot-product attention in every method's real step, no softmax of attention maps
     (cross-entropy's log-softmax aside): MEAT's token masks and L2P's prompts included."""
-    from torch.profiler import ProfilerActivity, profile
-
     from clbench.bench import method_step
 
     step, _, _ = method_step(parse(TINY), name)
-    step()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        step()
-    ops = {event.key for event in prof.key_averages()}
-    assert any("flash_attention" in op or "efficient_attention" in op for op in ops), sorted(ops)
-    assert not {op for op in ops if "softmax" in op and "log_softmax" not in op}
+    fused, softmax = attention_ops(step)
+    assert fused and not softmax, softmax
 
 
 def test_the_median_round_is_kept() -> None:

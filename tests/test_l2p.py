@@ -113,3 +113,12 @@ def test_results_record_the_histograms_and_the_batchwise_flag(tmp_path: Path) ->
     test_sizes = [len(t["classes"]) * 10 for t in res["tasks"]]  # synthetic_tiny: 10 test images per class
     assert [sum(row) for row in hist["test"]] == [5 * n for n in test_sizes]  # each test image selects once
     assert (tmp_path / "prompt_histogram.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_selection_counts_equal_bincount_without_sizing_from_the_data() -> None:
+    """The histogram is bincount with a fixed length (torch.bincount sizes its output from the data: a host sync on
+    CUDA in every training step)."""
+    from clbench.methods.l2p import count_selections
+
+    chosen = torch.tensor([[0, 3, 3], [9, 0, 1]])
+    assert torch.equal(count_selections(chosen, 10), torch.bincount(chosen.flatten(), minlength=10))

@@ -67,3 +67,22 @@ def test_every_method_runs_on_refiner(tmp_path: Path, method: str) -> None:
     cfg = tiny_config("backbone=vit_micro_refiner", f"method={method}", "data.num_tasks=2", "trainer.epochs=1", *extra)
     results = train(cfg, tmp_path, {})
     assert results.status == "finished" and results.header["backbone_config"]["refiner"] is True
+
+
+def test_refiner_key_mask_survives_a_dominant_masked_key() -> None:
+    """Eq. 5 through Refiner's explicit maps when a masked key's logit leads every kept one by ~1000: the softmax is
+    shifted by the row maximum over the kept keys, so the maps and their gradients stay finite (a shift by the
+    maximum over all keys gave 0/0), and per-image masks (B, N) give each image its own map."""
+    attn = micro_vit().blocks[0].attn
+    refiner = RefinerAttention(attn)
+    x = torch.randn(2, 17, attn.qkv.in_features)
+    with torch.no_grad():
+        refiner.qkv.weight.mul_(40.0)  # huge logits
+    keep = torch.ones(2, 17)
+    keep[:, 3:9] = 0
+    keep.requires_grad_(True)
+    out = refiner(x, keep=keep)
+    out.square().sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(keep.grad).all()
+    with torch.no_grad():  # the first image alone, with a 1-D mask: the same rows
+        assert torch.allclose(refiner(x[:1], keep=keep[0].detach()), out[:1], atol=1e-4)

@@ -64,6 +64,13 @@ class L2PConfig:
         require_choice("method.prompt_init", self.prompt_init, ("uniform", "small"))
 
 
+def count_selections(chosen: torch.Tensor, pool_size: int) -> torch.Tensor:
+    """How often each prompt of the pool is among ``chosen`` (bincount with a fixed length: ``torch.bincount`` sizes
+    its output from the data, a host sync on CUDA in every training step)."""
+    flat = chosen.flatten()
+    return torch.zeros(pool_size, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
 def pull_loss(query: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
     """sum over each sample's chosen keys of the cosine distance 1 - cos(q, k), divided by the batch size."""
     sim = F.normalize(query.float(), dim=-1) @ F.normalize(keys.float(), dim=-1).T  # (B, M)
@@ -114,7 +121,7 @@ class L2P(Method):
         else:
             chosen = sim.topk(n, dim=1).indices
         if cfg.batchwise_prompt:
-            votes = torch.bincount(chosen.flatten(), minlength=cfg.pool_size)
+            votes = count_selections(chosen, cfg.pool_size)
             chosen = votes.topk(n).indices.expand(len(q), n)
         return chosen
 
@@ -140,7 +147,7 @@ class L2P(Method):
         """The selection uses the query only; the task id is never used to pick prompts at test time."""
         chosen = self.select(self.query(x), None)
         if self._eval_task is not None:
-            self.test_counts[self._eval_task] += torch.bincount(chosen.flatten(), minlength=self.config.pool_size)
+            self.test_counts[self._eval_task] += count_selections(chosen, self.config.pool_size)
         return self.prompted_features(x, chosen)
 
     def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
@@ -180,7 +187,7 @@ class L2P(Method):
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         q = self.query(x)
         chosen = self.select(q, task)
-        self.train_counts[task.id] += torch.bincount(chosen.flatten(), minlength=self.config.pool_size)
+        self.train_counts[task.id] += count_selections(chosen, self.config.pool_size)
         logits = self.seen_logits(self.prompted_features(x, chosen))
         outside = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
         outside[task.offset : task.offset + task.num_classes] = False

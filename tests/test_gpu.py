@@ -1,0 +1,254 @@
+"""The CUDA path (`make gpu-check`): every method's real training step and evaluation on one GPU.
+
+At a ViT-S/16, 224 px shape, for every method: steps and an evaluation in bf16 autocast and in fp32; CUDA fp32 against
+CPU fp32 on the same weights and batch (logits and one step's updates); bf16 finite and close to fp32; fused attention
+(flash or memory-efficient) and no softmax of attention maps, from the profiler; no hidden host synchronisation in
+the step (``torch.cuda.set_sync_debug_mode("error")``); ``trainer.compile=true`` equal to eager and really compiled;
+a 1-process NCCL DDP run through torchrun; the zero-forgetting methods' bit-exact TIL on CUDA.
+
+Marked ``gpu``: deselected by `make test`, skipped cleanly without CUDA. The CPU halves of the comparisons run in
+the default suite (``test_the_cpu_reference_of_the_comparison_is_deterministic``).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from clbench.config import validate
+from clbench.methods import meat
+from clbench.methods.base import Method
+from clbench.run import Runtime, build_optimizer, build_runtime, compile_blocks, run_task, train_step
+from conftest import TINY, attention_ops, clbench, compose_config, run_command
+
+METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
+ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+# ViT-S/16 at 224 px, random weights (no download on a GPU machine without network), synthetic 2-class tasks.
+VIT_S = (
+    "backbone=vit_small_patch16_224",
+    "backbone.pretrained=false",
+    "backbone.img_size=224",
+    "data=synthetic_tiny",
+    "data.num_tasks=2",
+    "trainer.batch_size=8",
+    "trainer.eval_batch_size=16",
+    "trainer.lr_scale_batch=null",
+    "trainer.warmup_epochs=0",
+    "logger.mode=disabled",
+)
+
+
+LR_BOUND = 0.1  # the largest default lr of any method (MEAT's mask lr): one step moves a weight by at most ~lr
+BENCH_VIT_S = ("--backbone", "vit_small_patch16_224", "--image-size", "224", "--batch-size", "8")
+
+
+def deterministic_gumbel(logits: torch.Tensor, tau: float) -> torch.Tensor:
+    """MEAT's straight-through sample without noise: the same on every device, so CPU and CUDA steps compare."""
+    soft = torch.sigmoid((logits[..., 0] - logits[..., 1]) / tau)
+    return (soft > 0.5).to(soft.dtype) - soft.detach() + soft
+
+
+def prepared(method_name: str, device: str, precision: str = "fp32") -> tuple[Method, Runtime]:
+    """A method with its first task started, built with seed 0 on ``device``."""
+    overrides = (f"method={method_name}", f"trainer.device={device}", f"trainer.precision={precision}")
+    cfg = validate(compose_config(*VIT_S, *overrides))
+    method, rt = build_runtime(cfg)
+    task = rt.benchmark.tasks[0]
+    method.before_task(task)
+    method.before_phase(task, method.phases(task, 1)[0])
+    return method, rt
+
+
+def one_step(method: Method, rt: Runtime, x_raw: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """One real training step (the loop's train_step) on a fixed batch with the test-time transform."""
+    task = rt.benchmark.tasks[0]
+    optimizer = build_optimizer(method, method.param_groups(task, method.phases(task, 1)[0]), rt.cfg.trainer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    method.train()
+    method.before_step(task, 0, 1)
+    rt.train_tf = rt.test_tf  # no random augmentation: both devices see the same pixels
+    loss, _ = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params)
+    return loss
+
+
+def state(method: Method) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in method.state_dict().items()}
+
+
+def cpu_reference(method_name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Method, dict[str, torch.Tensor]]:
+    """The CPU half of the CUDA comparison: the method before its step (eval logits come from it) and its state after
+    one real step on the first batch (MEAT's Gumbel noise replaced by its noise-free sample on both devices)."""
+    monkeypatch.setattr(meat, "hard_gumbel_keep", deterministic_gumbel)
+    method, rt = prepared(method_name, "cpu")
+    start = copy.deepcopy(method)
+    one_step(method, rt, *rt.benchmark.train[0].batch(None, 0, 8))
+    return start, state(method)
+
+
+@contextmanager
+def strict_fp32() -> Iterator[None]:
+    """No TF32 in matmuls or convolutions: fp32 on CUDA is then comparable with fp32 on CPU."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+@pytest.mark.parametrize("method_name", ["meat", "l2p"])
+def test_the_cpu_reference_of_the_comparison_is_deterministic(
+    method_name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs without a GPU: the CPU side of the CUDA-vs-CPU check gives the same state twice (to fp32 rounding: L2P's
+    prompt gradient is a scatter-add over the samples that chose a prompt, summed in thread order), so a mismatch on
+    a GPU beyond that is the GPU's."""
+    _, first = cpu_reference(method_name, monkeypatch)
+    _, second = cpu_reference(method_name, monkeypatch)
+    assert first.keys() == second.keys()
+    for key in first:
+        torch.testing.assert_close(first[key], second[key], msg=key)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("method_name", METHODS)
+def test_steps_and_evaluation_run_on_cuda(method_name: str, precision: str) -> None:
+    method, rt = prepared(method_name, "cuda", precision)
+    task = rt.benchmark.tasks[0]
+    run_task(method, task, rt, epochs=1)
+    method.after_task(task)
+    accuracy = rt.evaluate(method, [0])
+    assert all(0 <= a <= 100 for values in accuracy.values() for a in values)
+    assert all(torch.isfinite(p).all() for p in method.parameters())
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method_name", METHODS)
+def test_cuda_fp32_matches_cpu_fp32_and_bf16_stays_close(method_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same weights, same batch: the logits and one step's updated state agree within fp32 rounding (rtol 1e-3,
+    TF32 off; the fused CUDA AdamW against the CPU one); bf16 autocast logits are finite and within 5% of the logit
+    scale."""
+    start, after_cpu = cpu_reference(method_name, monkeypatch)
+    on_gpu, rt = prepared(method_name, "cuda")
+    on_gpu.load_state_dict(state(start))
+    x_raw, y = rt.benchmark.train[0].batch(None, 0, 8)
+    x = rt.test_tf(x_raw)
+    with torch.no_grad():
+        logits_cpu = start.eval().predict(x.cpu(), 0)
+    with strict_fp32(), torch.no_grad():
+        logits_gpu = on_gpu.eval().predict(x, 0).cpu()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits_bf16 = on_gpu.predict(x, 0).float().cpu()
+    scale = float(logits_cpu.abs().max().clamp_min(1e-3))
+    torch.testing.assert_close(logits_gpu, logits_cpu, rtol=1e-3, atol=1e-4 * scale)
+    assert torch.isfinite(logits_bf16).all() and (logits_bf16 - logits_cpu).abs().max() <= 0.05 * scale
+    with strict_fp32():
+        one_step(on_gpu, rt, x_raw, y)
+    after_gpu = state(on_gpu)
+    for key, value in after_cpu.items():
+        got = after_gpu[key]
+        if not value.is_floating_point():
+            assert torch.equal(got, value), key
+            continue
+        # Adam's first step is about lr * sign(g): an entry whose gradient is a near-exact cancellation may flip its
+        # sign between devices. All but 0.1% of the entries agree to fp32 rounding; none differs by more than a step.
+        close = torch.isclose(got, value, rtol=1e-3, atol=1e-5)
+        assert close.float().mean() >= 0.999, (key, (got - value).abs().max())
+        assert (got - value).abs().max() <= 2 * max(LR_BOUND, 1e-5) + 1e-3 * value.abs().max(), key
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method_name", METHODS)
+def test_attention_runs_fused_on_cuda_without_attention_softmax(method_name: str) -> None:
+    from clbench.bench import method_step, parse
+
+    step, _, _ = method_step(parse([*BENCH_VIT_S, "--device", "cuda"]), method_name)
+    fused, softmax = attention_ops(step, cuda=True)
+    assert fused and not softmax, softmax
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method_name", METHODS)
+def test_the_step_makes_no_hidden_host_sync(method_name: str) -> None:
+    """Outside the log step the loop never waits for the GPU: a sync in the step raises under debug mode "error"."""
+    from clbench.bench import method_step, parse
+
+    step, _, _ = method_step(parse([*BENCH_VIT_S, "--device", "cuda"]), method_name)
+    step()  # first-step allocations and lazy initialisation may sync
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_compiled_blocks_match_eager_and_really_compile_on_cuda() -> None:
+    from torch._dynamo.utils import counters
+
+    method, rt = prepared("meat", "cuda")
+    method.eval()
+    x = rt.test_tf(rt.benchmark.test[0].x[:8])
+    compiled = copy.deepcopy(method)
+    compile_blocks(compiled)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled.predict(x, 0), method.predict(x, 0), rtol=1e-3, atol=1e-3)
+    assert counters["stats"]["unique_graphs"] > 0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_one_process_nccl_ddp_equals_the_plain_run(tmp_path: Path) -> None:
+    overrides = (*TINY, "method=meat", "trainer.device=cuda", "logger.mode=disabled")
+    plain = clbench(*overrides, f"hydra.run.dir={tmp_path / 'plain'}", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    ddp_dir = f"hydra.run.dir={tmp_path / 'ddp'}"
+    ddp = run_command(torchrun, "--nproc_per_node=1", "-m", "clbench", *overrides, ddp_dir, cwd=tmp_path)
+    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "ddp"))
+    assert b["status"] == "finished" and a["acc_matrix"] == b["acc_matrix"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("method_name", ZERO_FORGETTING)
+def test_zero_forgetting_methods_keep_old_tasks_bit_exact_on_cuda(method_name: str) -> None:
+    cfg = validate(compose_config(*TINY, f"method={method_name}", "trainer.device=cuda"))
+    method, rt = build_runtime(cfg)
+    x = rt.test_tf(rt.benchmark.test[0].x)
+    first: torch.Tensor | None = None
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=1)
+        method.after_task(task)
+        method.eval()
+        logits = method.predict(x, 0)
+        first = logits if first is None else first
+        assert torch.equal(logits, first), task.id
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without a GPU")
+def test_without_cuda_the_gpu_suite_skips_cleanly_and_gpu_check_says_why(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    suite = run_command(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", __file__, cwd=root)
+    assert suite.returncode == 0, suite.stdout[-2000:]
+    assert "passed" not in suite.stdout and " skipped" in suite.stdout  # collected, every one skipped
+    make = run_command("make", "-s", "gpu-check", f"GPU_PY={sys.executable}", cwd=root)
+    assert make.returncode != 0 and "make gpu-check needs a CUDA GPU" in make.stderr
