@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from clbench import run as run_module
 from clbench.config import validate
-from clbench.errors import DataError
+from clbench.errors import ConfigError, DataError
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
 from clbench.run import build_runtime, lr_factor, run_task, train
@@ -215,3 +215,26 @@ def test_both_scenarios_from_one_call_equal_separate_predictions(method: str) ->
     assert torch.equal(both["til"], method_obj.predict(x, 1))
     assert torch.equal(both["cil"], method_obj.predict(x, None))
     assert method_obj.predict_scenarios(x, 1, ("til",)).keys() == {"til"}
+
+
+def test_a_nan_loss_in_a_task_shorter_than_log_every_is_caught_at_the_epoch_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task of fewer steps than trainer.log_every has no log step: its losses are checked at each epoch's end, so a
+    run trained on NaN never ends "finished" with its row recorded."""
+    real_loss = Finetune.training_loss
+
+    def nan_in_task_1(self, x, y, task):
+        loss, logs = real_loss(self, x, y, task)
+        return (loss * float("nan") if task.id == 1 else loss), logs
+
+    monkeypatch.setattr(Finetune, "training_loss", nan_in_task_1)
+    with pytest.raises(FloatingPointError, match=r"is nan at task 1 \(train phase\), epoch 0 \(its end\)"):
+        run_tiny(tmp_path, "trainer.eval_random_init=false", "trainer.log_every=1000")
+    res = json.loads((tmp_path / "results.json").read_text())
+    assert res["status"] == "failed" and len(res["acc_matrix"]["til"]) == 1
+
+
+def test_an_infinite_learning_rate_is_refused_before_any_work() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.lr.*inf.*a finite float > 0"):
+        tiny_config("trainer.lr=inf")

@@ -9,6 +9,7 @@ A method's hyperparameters are validated against the ``Config`` dataclass that t
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -154,7 +155,7 @@ class TrainerConfig:
             minimum = 0 if key in ("epochs", "checkpoint_every") else 1
             value = getattr(self, key)
             require(value >= minimum, f"trainer.{key}", value, f"an integer >= {minimum}")
-        require(self.lr > 0, "trainer.lr", self.lr, "a float > 0")
+        require(math.isfinite(self.lr) and self.lr > 0, "trainer.lr", self.lr, "a finite float > 0")
         require(
             self.lr_scale_batch is None or self.lr_scale_batch > 0,
             "trainer.lr_scale_batch",

@@ -42,6 +42,7 @@ from clbench.errors import ConfigError, Diverged, Preempted
 from clbench.evaluation import evaluate
 from clbench.files import check_writable
 from clbench.methods import Method
+from clbench.methods.base import Phase
 from clbench.results import Results
 from clbench.tracking import WandbTracker, console, print_summary, write_run_files
 
@@ -266,13 +267,7 @@ def run_task(
                 if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
                     signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
                 if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
-                    mean_loss = rt.ranks.sum_(running / (cfg.log_every * rt.ranks.size)).item()
-                    if not math.isfinite(mean_loss):
-                        where = f"task {task.id} ({phase.name} phase), epoch {epoch}, step {step}"
-                        raise Diverged(
-                            f"the mean training loss of the last {cfg.log_every} steps is {mean_loss} at {where}; "
-                            "lower trainer.lr or set trainer.grad_clip"
-                        )
+                    mean_loss = check_finite(rt, running, cfg.log_every, f"{where(task, phase, epoch)}, step {step}")
                     running.zero_()
                     if tracker:
                         extra = {f"train/{k}": v.item() for k, v in logs.items()}
@@ -285,11 +280,29 @@ def run_task(
                     save(Cursor(p, epoch, batch + 1, order, optimizer.state_dict(), schedule.state_dict()), step)
                     name = signal.Signals(signum).name
                     raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
+            if step % cfg.log_every:  # steps since the last log: checked at the epoch's end whatever the task length
+                check_finite(rt, running, step % cfg.log_every, f"{where(task, phase, epoch)} (its end), step {step}")
             if save is not None and cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
                 save(Cursor(p, epoch + 1, 0, None, optimizer.state_dict(), schedule.state_dict()), step)
         if progress:
             progress.remove_task(bar)
     return step, images
+
+
+def where(task: Task, phase: Phase, epoch: int) -> str:
+    return f"task {task.id} ({phase.name} phase), epoch {epoch}"
+
+
+def check_finite(rt: Runtime, running: torch.Tensor, steps: int, position: str) -> float:
+    """The mean of the last ``steps`` losses (summed over ranks: one host sync); a non-finite one stops the run with
+    :class:`Diverged` before the task can be recorded as trained."""
+    mean_loss = rt.ranks.sum_(running / (steps * rt.ranks.size)).item()
+    if not math.isfinite(mean_loss):
+        raise Diverged(
+            f"the mean training loss of the last {steps} steps is {mean_loss} at {position}; "
+            "lower trainer.lr or set trainer.grad_clip"
+        )
+    return mean_loss
 
 
 def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
