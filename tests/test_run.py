@@ -109,7 +109,17 @@ def test_a_failing_run_records_the_failure_and_keeps_finished_tasks(
     assert not list(tmp_path.glob(".results.json.*"))  # no temp file left behind
 
 
-def test_a_nan_loss_stops_the_run_naming_where(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("log_every", "where"),
+    [
+        ("1", r"epoch 0, step \d+"),  # at a log step
+        ("1000", r"epoch 0 \(its end\)"),  # a task shorter than log_every: at the epoch's end
+    ],
+)
+def test_a_nan_loss_stops_the_run_naming_where(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, log_every: str, where: str
+) -> None:
+    """A NaN loss stops the run before its task is recorded, whether or not the task reaches a log step."""
     real_loss = Finetune.training_loss
 
     def nan_in_task_1(self, x, y, task):
@@ -117,8 +127,8 @@ def test_a_nan_loss_stops_the_run_naming_where(tmp_path: Path, monkeypatch: pyte
         return (loss * float("nan") if task.id == 1 else loss), logs
 
     monkeypatch.setattr(Finetune, "training_loss", nan_in_task_1)
-    with pytest.raises(FloatingPointError, match=r"is nan at task 1 \(train phase\), epoch 0, step \d+"):
-        run_tiny(tmp_path, "trainer.eval_random_init=false", "trainer.log_every=1")
+    with pytest.raises(FloatingPointError, match=rf"is nan at task 1 \(train phase\), {where}"):
+        run_tiny(tmp_path, "trainer.eval_random_init=false", f"trainer.log_every={log_every}")
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["status"] == "failed" and "Diverged" in res["failure"] and len(res["acc_matrix"]["til"]) == 1
 
@@ -215,24 +225,6 @@ def test_both_scenarios_from_one_call_equal_separate_predictions(method: str) ->
     assert torch.equal(both["til"], method_obj.predict(x, 1))
     assert torch.equal(both["cil"], method_obj.predict(x, None))
     assert method_obj.predict_scenarios(x, 1, ("til",)).keys() == {"til"}
-
-
-def test_a_nan_loss_in_a_task_shorter_than_log_every_is_caught_at_the_epoch_end(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A task of fewer steps than trainer.log_every has no log step: its losses are checked at each epoch's end, so a
-    run trained on NaN never ends "finished" with its row recorded."""
-    real_loss = Finetune.training_loss
-
-    def nan_in_task_1(self, x, y, task):
-        loss, logs = real_loss(self, x, y, task)
-        return (loss * float("nan") if task.id == 1 else loss), logs
-
-    monkeypatch.setattr(Finetune, "training_loss", nan_in_task_1)
-    with pytest.raises(FloatingPointError, match=r"is nan at task 1 \(train phase\), epoch 0 \(its end\)"):
-        run_tiny(tmp_path, "trainer.eval_random_init=false", "trainer.log_every=1000")
-    res = json.loads((tmp_path / "results.json").read_text())
-    assert res["status"] == "failed" and len(res["acc_matrix"]["til"]) == 1
 
 
 def test_an_infinite_learning_rate_is_refused_before_any_work() -> None:

@@ -49,7 +49,8 @@ def weights_file(cfg: BackboneConfig, model: VisionTransformer) -> Path | None:
     if source.get("hf_hub_id"):
         from huggingface_hub import try_to_load_from_cache
 
-        for filename in ("open_clip_pytorch_model.bin", "model.safetensors", "pytorch_model.bin"):
+        named = source.get("hf_hub_filename")  # timm's own choice where the config names one
+        for filename in (named,) if named else ("model.safetensors", "pytorch_model.bin"):
             found = try_to_load_from_cache(source["hf_hub_id"], filename)
             if isinstance(found, str):
                 return Path(found)
