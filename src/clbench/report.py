@@ -1,8 +1,20 @@
 """`clbench-report PATH...`: a paper-style table over every results.json under the given run or multirun folders.
 
-Rows are (method, backbone, benchmark); columns the TIL and CIL final accuracy, average incremental accuracy and
-forgetting, as mean ± std over the runs (seeds) with their number. Runs that did not finish are listed, not
-averaged. Written as Markdown, CSV and LaTeX next to a PNG of the mean accuracy over seen tasks after each task.
+A row is one setting: the runs whose whole configs are equal except for the seed (and keys that cannot change the
+numbers, such as logger.* or trainer.log_every; see clbench.comparable). Different configs are never averaged: a
+sweep over trainer.lr=1e-3,1e-4 and seed=0,1 gives two rows of two runs each.
+
+Columns: method, backbone and benchmark; setting, the config keys that set the row apart from the other rows of the
+same method, backbone and benchmark (e.g. "lr=0.001", "-" when there is no other); runs, the number of finished
+runs averaged; then for TIL and CIL the final accuracy, average incremental accuracy, forgetting, backward transfer
+(BWT) and forward transfer (FWT), in %, as mean ± sample std over the runs (the value alone for one run; "-" where
+no run measured it).
+
+Runs that did not finish are listed with their status and failure, not averaged, as are Hydra job folders (those
+with a .hydra/ folder) that have no results.json, with their overrides and the last line of their log.
+
+Writes PREFIX.md, .csv, .tex (booktabs) and a figure (.png and .pdf) of the mean accuracy over the seen tasks after
+each task, one line per row with a band of ± one std over its runs.
 """
 
 from __future__ import annotations
@@ -14,23 +26,68 @@ import json
 import statistics
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from clbench.comparable import differing_keys, setting, short_names
 from clbench.files import write_atomic
 
-METRICS = ("final_acc", "avg_incremental_acc", "forgetting")
-LABELS = {"final_acc": "final", "avg_incremental_acc": "avg inc", "forgetting": "forgetting"}
-Key = tuple[str, str, str]
+Run = dict[str, Any]
+SCENARIOS = ("til", "cil")
+METRICS = ("final_acc", "avg_incremental_acc", "forgetting", "bwt", "fwt")
+LABELS = {
+    "final_acc": "final",
+    "avg_incremental_acc": "avg inc",
+    "forgetting": "forgetting",
+    "bwt": "BWT",
+    "fwt": "FWT",
+}
+COLUMNS = [f"{s}_{m}" for s in SCENARIOS for m in METRICS]
+HEADERS = [f"{s.upper()} {LABELS[m]}" for s in SCENARIOS for m in METRICS]
+REQUIRED = ("method", "backbone", "benchmark", "metrics", "acc_matrix")
+LOG_TAIL_BYTES = 65536
+
+
+@dataclass
+class Row:
+    """The finished runs of one setting, with the label that sets it apart from its neighbours."""
+
+    method: str
+    backbone: str
+    benchmark: str
+    setting: str
+    runs: list[Run]
+
+    def stat(self, column: str) -> tuple[float | None, float | None]:
+        """Mean and sample std of ``<scenario>_<metric>`` over the runs that measured it (std None for one)."""
+        scenario, metric = column.split("_", 1)
+        return mean_std([r["metrics"].get(scenario, {}).get(metric) for r in self.runs])
+
+
+@dataclass
+class Skipped:
+    """A run or job that is listed, not averaged: its folder, why, and its Hydra overrides when recorded."""
+
+    folder: Path
+    reason: str
+    overrides: list[str]
+
+    def __str__(self) -> str:
+        named = f" (overrides: {' '.join(self.overrides)})" if self.overrides else ""
+        return f"{self.folder}{named}: {self.reason}"
 
 
 def find_results(paths: list[Path]) -> list[Path]:
+    """Every results.json given or under the given folders."""
     found: set[Path] = set()
     for path in paths:
         if path.is_file() and path.name == "results.json":
@@ -40,141 +97,255 @@ def find_results(paths: list[Path]) -> list[Path]:
     return sorted(found)
 
 
-def load_runs(files: list[Path]) -> tuple[dict[Key, list[dict[str, Any]]], list[tuple[Path, str]]]:
-    """Finished runs grouped by (method, backbone, benchmark), and the others with their status."""
-    groups: dict[Key, list[dict[str, Any]]] = defaultdict(list)
-    unfinished = []
-    for f in files:
-        try:
-            run = json.loads(f.read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            unfinished.append((f, f"unreadable: {err}"))
-            continue
-        if run.get("status") != "finished":
-            unfinished.append((f, str(run.get("status", "unknown"))))
-            continue
-        groups[(run["method"], run["backbone"], run["benchmark"])].append(run)
-    return dict(sorted(groups.items())), unfinished
+def find_jobs(paths: list[Path]) -> list[Path]:
+    """Every Hydra job folder (one holding a .hydra/ folder) given or under the given folders."""
+    return sorted({p.parent.resolve() for path in paths if path.is_dir() for p in path.rglob(".hydra") if p.is_dir()})
+
+
+def config_of(run: Run) -> dict[str, Any]:
+    """The run's resolved config; for an older results.json without one, what its header tells."""
+    if "config" in run:
+        return run["config"]
+    backbone = {k: v for k, v in run.get("backbone_config", {}).items() if k not in ("weights_file", "weights_sha256")}
+    return {
+        "method": {"_target_": run["method"], **run.get("method_config", {})},
+        "backbone": backbone,
+        "data": {"name": run["benchmark"]},
+    }
+
+
+def overrides(folder: Path) -> list[str]:
+    """The job's command-line overrides from .hydra/overrides.yaml (none when absent or unreadable)."""
+    try:
+        loaded = yaml.safe_load((folder / ".hydra" / "overrides.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        return []
+    return [str(o) for o in loaded] if isinstance(loaded, list) else []
+
+
+def last_log_line(folder: Path) -> str:
+    """The last non-empty line of the job's clbench.log (or any other *.log there); "no log" when there is none."""
+    logs = [folder / "clbench.log"] if (folder / "clbench.log").is_file() else sorted(folder.glob("*.log"))
+    if not logs:
+        return "no log"
+    with logs[0].open("rb") as f:
+        f.seek(max(0, f.seek(0, 2) - LOG_TAIL_BYTES))
+        lines = [line.strip() for line in f.read().decode(errors="replace").splitlines()]
+    return next((line for line in reversed(lines) if line), "empty log")
+
+
+def skipped(folder: Path, reason: str) -> Skipped:
+    """A listed folder with its reason and the overrides Hydra recorded there."""
+    return Skipped(folder, reason, overrides(folder))
+
+
+def read_run(path: Path) -> Run | Skipped:
+    """A finished run, or why it is not averaged (status and the failure's first line, or unreadable)."""
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        return skipped(path.parent, f"unreadable results.json: {err}")
+    if not isinstance(run, dict):
+        return skipped(path.parent, "unreadable results.json: not an object")
+    status = str(run.get("status", "unknown"))
+    if status != "finished":
+        failure = str(run.get("failure") or "").strip().splitlines()
+        return skipped(path.parent, status + (f": {failure[0]}" if failure else ""))
+    missing = [k for k in REQUIRED if k not in run]
+    return skipped(path.parent, f"incomplete results.json: no {', '.join(missing)}") if missing else run
+
+
+def load(paths: list[Path]) -> tuple[list[Run], list[Skipped]]:
+    """The finished runs under ``paths``, and the runs and jobs that are listed instead."""
+    runs, others = [], []
+    for result in map(read_run, find_results(paths)):
+        (others if isinstance(result, Skipped) else runs).append(result)
+    jobs = [job for job in find_jobs(paths) if not (job / "results.json").exists()]
+    others += [skipped(job, f"no results.json; last log line: {last_log_line(job)}") for job in jobs]
+    return runs, sorted(others, key=lambda o: str(o.folder))
+
+
+def compact(value: Any) -> str:
+    """A setting value as a user would type it: floats with ``:g``, strings bare, the rest as JSON."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
+def labels(configs: list[dict[str, Any]]) -> list[str]:
+    """For settings that share method, backbone and benchmark: each one's differing keys, ``lr=0.001, epochs=5``."""
+    if len(configs) < 2:
+        return [""] * len(configs)
+    keys = differing_keys(configs)
+    names = short_names(keys)
+    settings = [setting(c) for c in configs]
+    return [", ".join(f"{names[k]}={compact(s[k]) if k in s else 'unset'}" for k in keys) for s in settings]
+
+
+def table_rows(runs: list[Run]) -> list[Row]:
+    """One row per setting, labelled among the rows of its (method, backbone, benchmark), sorted."""
+    groups: dict[str, list[Run]] = defaultdict(list)
+    for run in runs:
+        groups[json.dumps(setting(config_of(run)), sort_keys=True, default=str)].append(run)
+    families: dict[tuple[str, str, str], list[list[Run]]] = defaultdict(list)
+    for group in groups.values():
+        families[(group[0]["method"], group[0]["backbone"], group[0]["benchmark"])].append(group)
+    rows = [
+        Row(*family, label, group)
+        for family, members in families.items()
+        for group, label in zip(members, labels([config_of(g[0]) for g in members]), strict=True)
+    ]
+    return sorted(rows, key=lambda r: (r.method, r.backbone, r.benchmark, r.setting))
 
 
 def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
+    """Mean and sample std of the values present; std None for one value, both None for none."""
     present = [v for v in values if v is not None]
     if not present:
         return None, None
-    return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else 0.0
+    return statistics.fmean(present), statistics.stdev(present) if len(present) > 1 else None
 
 
-def table_rows(groups: dict[Key, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """One row per group: mean and std of each scenario's metrics over its runs."""
-    rows = []
-    for (method, backbone, benchmark), runs in groups.items():
-        row: dict[str, Any] = {"method": method, "backbone": backbone, "benchmark": benchmark, "runs": len(runs)}
-        for scenario in ("til", "cil"):
-            for metric in METRICS:
-                row[f"{scenario}_{metric}"] = mean_std([r["metrics"][scenario][metric] for r in runs])
-        rows.append(row)
-    return rows
-
-
-def _cell(pair: tuple[float | None, float | None], pm: str) -> str:
+def cell(pair: tuple[float | None, float | None], pm: str) -> str:
+    """``mean ± std``, the mean alone without a std, "-" without a value."""
     mean, std = pair
-    return "-" if mean is None else f"{mean:.2f} {pm} {std:.2f}"
+    if mean is None:
+        return "-"
+    return f"{mean:.2f}" if std is None else f"{mean:.2f} {pm} {std:.2f}"
 
 
-COLUMNS = [f"{s}_{m}" for s in ("til", "cil") for m in METRICS]
-HEADERS = [f"{s.upper()} {LABELS[m]}" for s in ("til", "cil") for m in METRICS]
-
-
-def markdown(rows: list[dict[str, Any]], unfinished: list[tuple[Path, str]]) -> str:
+def markdown(rows: list[Row], others: list[Skipped]) -> str:
+    """The table as Markdown, then the runs and jobs that were not averaged."""
     lines = [
-        "| method | backbone | benchmark | runs | " + " | ".join(HEADERS) + " |",
-        "|---|---|---|---|" + "---|" * len(HEADERS),
+        "| method | backbone | benchmark | setting | runs | " + " | ".join(HEADERS) + " |",
+        "|---|---|---|---|---|" + "---|" * len(HEADERS),
     ]
     for r in rows:
-        cells = [_cell(r[c], "±") for c in COLUMNS]
-        lines.append(
-            f"| {r['method']} | {r['backbone']} | {r['benchmark']} | {r['runs']} | " + " | ".join(cells) + " |"
-        )
-    if unfinished:
-        lines += ["", "Not averaged (did not finish):", *[f"- {path}: {status}" for path, status in unfinished]]
+        label = [r.method, r.backbone, r.benchmark, r.setting or "-", str(len(r.runs))]
+        cells = [text.replace("|", r"\|") for text in label] + [cell(r.stat(c), "±") for c in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    if others:
+        lines += ["", "Not averaged (did not finish):", *[f"- {o}" for o in others]]
     return "\n".join(lines) + "\n"
 
 
-def csv_text(rows: list[dict[str, Any]]) -> str:
+def csv_text(rows: list[Row]) -> str:
+    """The table as CSV: the label columns, then ``<scenario>_<metric>_mean`` and ``_std`` (empty for one run)."""
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(
-        ["method", "backbone", "benchmark", "runs", *[f"{c}_{k}" for c in COLUMNS for k in ("mean", "std")]]
+        ["method", "backbone", "benchmark", "setting", "runs", *[f"{c}_{k}" for c in COLUMNS for k in ("mean", "std")]]
     )
     for r in rows:
-        values = [("" if v is None else f"{v:.4f}") for c in COLUMNS for v in r[c]]
-        writer.writerow([r["method"], r["backbone"], r["benchmark"], r["runs"], *values])
+        values = ["" if v is None else f"{v:.4f}" for c in COLUMNS for v in r.stat(c)]
+        writer.writerow([r.method, r.backbone, r.benchmark, r.setting, len(r.runs), *values])
     return buf.getvalue()
 
 
-def latex(rows: list[dict[str, Any]]) -> str:
-    def esc(text: str) -> str:
-        return text.replace("_", r"\_")
+def tex_escape(text: str) -> str:
+    """Escape the characters LaTeX reads as commands in a table cell."""
+    for char in "_%&#":
+        text = text.replace(char, f"\\{char}")
+    return text
 
-    head = " & ".join(["Method", "Backbone", "Benchmark", "$n$", *HEADERS]) + r" \\"
+
+def latex(rows: list[Row]) -> str:
+    """The table as a booktabs tabular."""
+    head = " & ".join(["Method", "Backbone", "Benchmark", "Setting", "$n$", *HEADERS]) + r" \\"
     body = [
-        " & ".join([esc(r["method"]), esc(r["backbone"]), esc(r["benchmark"]), str(r["runs"])])
-        + " & "
-        + " & ".join(_cell(r[c], r"$\pm$") for c in COLUMNS)
+        " & ".join(
+            [
+                *map(tex_escape, (r.method, r.backbone, r.benchmark, r.setting or "-")),
+                str(len(r.runs)),
+                *[cell(r.stat(c), r"$\pm$") for c in COLUMNS],
+            ]
+        )
         + r" \\"
         for r in rows
     ]
-    spec = "lllr" + "r" * len(COLUMNS)
-    return (
-        "\n".join(
-            [rf"\begin{{tabular}}{{{spec}}}", r"\toprule", head, r"\midrule", *body, r"\bottomrule", r"\end{tabular}"]
-        )
-        + "\n"
-    )
+    spec = "llllr" + "r" * len(COLUMNS)
+    lines = [rf"\begin{{tabular}}{{{spec}}}", r"\toprule", head, r"\midrule", *body, r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
 
 
-def curves_png(groups: dict[Key, list[dict[str, Any]]]) -> bytes:
-    """Mean accuracy over the seen tasks after each task (mean over runs), one line per group, TIL and CIL."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for ax, scenario in zip(axes, ("til", "cil"), strict=True):
-        for (method, backbone, benchmark), runs in groups.items():
-            per_run = [
-                [statistics.fmean(row[: i + 1]) for i, row in enumerate(r["acc_matrix"][scenario])] for r in runs
-            ]
-            curve = [statistics.fmean(vals) for vals in zip(*per_run, strict=False)]
-            ax.plot(range(1, len(curve) + 1), curve, marker="o", label=f"{method} ({backbone}, {benchmark})")
+def seen_task_curve(run: Run, scenario: str) -> list[float]:
+    """Mean accuracy over the seen tasks after each task: the mean of R[i][:i+1]."""
+    return [statistics.fmean(row[: i + 1]) for i, row in enumerate(run["acc_matrix"][scenario])]
+
+
+def curve_label(row: Row, rows: list[Row]) -> str:
+    """The method, with backbone and benchmark when the rows do not all share them, and the setting."""
+    parts = [row.backbone] if len({r.backbone for r in rows}) > 1 else []
+    parts += [row.benchmark] if len({r.benchmark for r in rows}) > 1 else []
+    parts += [row.setting] if row.setting else []
+    return f"{row.method} ({'; '.join(parts)})" if parts else row.method
+
+
+def row_curve(row: Row, scenario: str) -> tuple[list[float], list[float] | None]:
+    """Per task learned, the mean of the seen-task curve over the row's runs, and its std (None for one run)."""
+    per_task = [list(values) for values in zip(*(seen_task_curve(r, scenario) for r in row.runs), strict=False)]
+    std = [statistics.stdev(v) for v in per_task] if len(row.runs) > 1 else None
+    return [statistics.fmean(v) for v in per_task], std
+
+
+def curves_figure(rows: list[Row]) -> Figure:
+    """TIL and CIL panels (one y-axis): per row, the mean over its runs of the seen-task curve, ± one std band."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, scenario in zip(axes, SCENARIOS, strict=True):
+        for row in rows:
+            mean, std = row_curve(row, scenario)
+            x = range(1, len(mean) + 1)
+            (line,) = ax.plot(x, mean, marker="o", label=curve_label(row, rows))
+            if std is not None:
+                band = list(zip(mean, std, strict=True))
+                ax.fill_between(
+                    x, [m - s for m, s in band], [m + s for m, s in band], color=line.get_color(), alpha=0.2
+                )
         ax.set_title(f"{scenario.upper()}: mean accuracy over seen tasks")
         ax.set_xlabel("tasks learned")
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.set_ylabel("accuracy (%)")
         ax.grid(alpha=0.3)
+    axes[0].set_ylabel("accuracy (%)")
+    axes[0].set_ylim(0, 100)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
+    return fig
+
+
+def figure_bytes(fig: Figure, fmt: str) -> bytes:
+    """The figure saved in ``fmt`` (png, pdf)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
+    fig.savefig(buf, format=fmt, dpi=110)
     return buf.getvalue()
 
 
+def write_report(rows: list[Row], others: list[Skipped], out: Path) -> list[Path]:
+    """Print the Markdown table and write every output under the prefix ``out``; the files written."""
+    text = markdown(rows, others)
+    print(text, end="")
+    outputs: dict[str, str | bytes] = {".md": text, ".csv": csv_text(rows), ".tex": latex(rows)}
+    if rows:
+        fig = curves_figure(rows)
+        outputs |= {".png": figure_bytes(fig, "png"), ".pdf": figure_bytes(fig, "pdf")}
+        plt.close(fig)
+    for suffix, data in outputs.items():
+        write_atomic(out.with_suffix(suffix), data)
+    return [out.with_suffix(suffix) for suffix in outputs]
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="clbench-report", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="clbench-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("paths", nargs="+", type=Path, help="run folders, multirun folders or results.json files")
     parser.add_argument("--out", type=Path, default=Path("report"), help="output prefix (default: report)")
     args = parser.parse_args(argv)
-    files = find_results(args.paths)
-    if not files:
-        print(f"clbench-report: no results.json under {', '.join(map(str, args.paths))}", file=sys.stderr)
+    runs, others = load(args.paths)
+    if not runs and not others:
+        print(f"clbench-report: no results.json or job folder under {', '.join(map(str, args.paths))}", file=sys.stderr)
         sys.exit(2)
-    groups, unfinished = load_runs(files)
-    rows = table_rows(groups)
-    text = markdown(rows, unfinished)
-    print(text, end="")
-    write_atomic(args.out.with_suffix(".md"), text)
-    write_atomic(args.out.with_suffix(".csv"), csv_text(rows))
-    write_atomic(args.out.with_suffix(".tex"), latex(rows))
-    if groups:
-        write_atomic(args.out.with_suffix(".png"), curves_png(groups))
-    print(f"\nwritten: {args.out}.md, .csv, .tex" + (", .png" if groups else ""), file=sys.stderr)
+    written = write_report(table_rows(runs), others, args.out)
+    print(f"\nwritten: {', '.join(map(str, written))}", file=sys.stderr)
 
 
 if __name__ == "__main__":

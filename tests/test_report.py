@@ -1,0 +1,200 @@
+"""`clbench-report` over hand-made results.json files: one row per setting, never averaging different configs."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clbench.report import main
+
+CONFIG: dict[str, Any] = {
+    "method": {"_target_": "clbench.methods.finetune.Finetune", "loss_scope": "seen"},
+    "data": {"name": "synthetic_tiny", "num_tasks": 2, "root": "data"},
+    "backbone": {"name": "vit_micro", "pretrained": False},
+    "trainer": {"lr": 0.001, "epochs": 1, "log_every": 10, "device": "cpu"},
+    "logger": {"mode": "disabled", "project": "clbench"},
+    "seed": 0,
+    "resume": False,
+    "objective": "cil.final_acc",
+}
+METRICS = ("final_acc", "avg_incremental_acc", "forgetting", "bwt", "fwt")
+
+
+def write_run(
+    folder: Path,
+    *,
+    seed: int = 0,
+    changes: dict[str, Any] | None = None,
+    values: dict[str, float | None] | None = None,
+    **top: Any,
+) -> dict[str, Any]:
+    """Write ``folder/results.json`` of a finished run: CONFIG with dotted ``changes``, every metric 50.0 but for
+    ``values`` (``{"cil.bwt": -3.0}``), and ``top`` over the top-level keys. Returns what it wrote."""
+    config = copy.deepcopy(CONFIG) | {"seed": seed}
+    for dotted, value in (changes or {}).items():
+        *parents, leaf = dotted.split(".")
+        node = config
+        for parent in parents:
+            node = node[parent]
+        node[leaf] = value
+    metrics: dict[str, dict[str, float | None]] = {s: dict.fromkeys(METRICS, 50.0) for s in ("til", "cil")}
+    for dotted, value in (values or {}).items():
+        scenario, metric = dotted.split(".")
+        metrics[scenario][metric] = value
+    matrix = [[80.0 + seed, None], [60.0 + seed, 40.0 + seed]]
+    run = {
+        "method": "finetune",
+        "backbone": "vit_micro",
+        "benchmark": "synthetic_tiny",
+        "seed": seed,
+        "status": "finished",
+        "config": config,
+        "acc_matrix": {"til": matrix, "cil": matrix},
+        "metrics": metrics,
+    } | top
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "results.json").write_text(json.dumps(run))
+    return run
+
+
+def report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> tuple[str, list[dict[str, str]]]:
+    """Run the report over tmp_path/sweep: its Markdown output and the CSV rows."""
+    main([str(tmp_path / "sweep"), "--out", str(tmp_path / "report")])
+    rows = list(csv.DictReader((tmp_path / "report.csv").open()))
+    return capsys.readouterr().out, rows
+
+
+def markdown_rows(text: str) -> list[dict[str, str]]:
+    """The Markdown table's rows as {header: cell}."""
+    lines = [line.strip("|").split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    header = [h.strip() for h in lines[0]]
+    return [dict(zip(header, [c.strip() for c in cells], strict=True)) for cells in lines[1:]]
+
+
+def test_two_learning_rates_by_two_seeds_give_two_rows_of_two_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    final = {(0.001, 0): 60.0, (0.001, 1): 64.0, (0.0001, 0): 40.0, (0.0001, 1): 47.0}
+    for job, ((lr, seed), value) in enumerate(final.items()):
+        write_run(tmp_path / "sweep" / str(job), seed=seed, changes={"trainer.lr": lr}, values={"cil.final_acc": value})
+    out, rows = report(tmp_path, capsys)
+    assert len(rows) == 2 and all(r["runs"] == "2" for r in rows)
+    for lr in (0.001, 0.0001):
+        (row,) = [r for r in rows if r["setting"] == f"lr={lr:g}"]
+        values = [v for (rate, _), v in final.items() if rate == lr]
+        assert float(row["cil_final_acc_mean"]) == pytest.approx(statistics.fmean(values), abs=1e-4)
+        assert float(row["cil_final_acc_std"]) == pytest.approx(statistics.stdev(values), abs=1e-4)
+    assert not any("seed" in r["setting"] for r in rows)
+    table = markdown_rows(out)
+    assert [r["setting"] for r in table] == ["lr=0.0001", "lr=0.001"]
+    assert table[0]["CIL final"] == f"{statistics.fmean([40.0, 47.0]):.2f} ± {statistics.stdev([40.0, 47.0]):.2f}"
+
+
+def test_one_run_shows_its_value_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "sweep" / "0", values={"cil.final_acc": 55.5})
+    out, rows = report(tmp_path, capsys)
+    (row,) = markdown_rows(out)
+    assert row["CIL final"] == "55.50" and row["runs"] == "1" and row["setting"] == "-"
+    assert "±" not in out
+    assert rows[0]["cil_final_acc_std"] == "" and rows[0]["setting"] == ""
+
+
+def test_bwt_and_fwt_columns_average_the_runs_that_measured_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bwt, til_fwt = [-3.0, -6.0], [10.0, None]
+    for seed in (0, 1):
+        values = {"cil.bwt": bwt[seed], "cil.fwt": None, "til.fwt": til_fwt[seed]}
+        write_run(tmp_path / "sweep" / str(seed), seed=seed, values=values)
+    out, rows = report(tmp_path, capsys)
+    (row,) = rows
+    assert float(row["cil_bwt_mean"]) == pytest.approx(statistics.fmean(bwt), abs=1e-4)
+    assert float(row["cil_bwt_std"]) == pytest.approx(statistics.stdev(bwt), abs=1e-4)
+    assert row["cil_fwt_mean"] == row["cil_fwt_std"] == ""
+    assert float(row["til_fwt_mean"]) == pytest.approx(10.0) and row["til_fwt_std"] == ""
+    (cells,) = markdown_rows(out)
+    assert cells["CIL FWT"] == "-" and cells["TIL FWT"] == "10.00"
+    assert cells["CIL BWT"] == f"{statistics.fmean(bwt):.2f} ± {statistics.stdev(bwt):.2f}"
+
+
+def test_failed_jobs_are_listed_with_their_overrides_and_last_log_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    sweep = tmp_path / "sweep"
+    write_run(sweep / "0", values={"cil.final_acc": 70.0})
+    crashed = sweep / "1"
+    (crashed / ".hydra").mkdir(parents=True)
+    (crashed / ".hydra" / "overrides.yaml").write_text("- trainer.lr=0.0001\n- seed=1\n")
+    (crashed / "clbench.log").write_text(
+        "[INFO] - task 1/2\nTraceback (most recent call last):\nRuntimeError: boom\n\n"
+    )
+    (sweep / "2" / ".hydra").mkdir(parents=True)
+    write_run(sweep / "3", seed=3, status="failed", failure="ValueError: bad value\nsecond line")
+    out, rows = report(tmp_path, capsys)
+    assert len(rows) == 1 and rows[0]["runs"] == "1" and float(rows[0]["cil_final_acc_mean"]) == 70.0
+    listed = out.split("did not finish")[1]
+    (line,) = [x for x in listed.splitlines() if str(crashed) in x]
+    assert "no results.json" in line and "trainer.lr=0.0001 seed=1" in line and line.endswith("RuntimeError: boom")
+    assert f"{sweep / '2'}: no results.json; last log line: no log" in listed
+    assert f"{sweep / '3'}: failed: ValueError: bad value" in listed and "second line" not in listed
+
+
+def test_an_old_results_json_without_config_still_reports_with_png_and_pdf(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for seed in (0, 1):
+        folder = tmp_path / "sweep" / str(seed)
+        run = write_run(folder, seed=seed, values={"cil.final_acc": 50.0 + seed})
+        del run["config"]
+        run["method_config"] = {"loss_scope": "seen"}
+        run["backbone_config"] = {"name": "vit_micro", "weights_file": f"/cache/{seed}.pth", "weights_sha256": "ab"}
+        (folder / "results.json").write_text(json.dumps(run))
+    _, rows = report(tmp_path, capsys)
+    (row,) = rows
+    assert row["runs"] == "2" and float(row["cil_final_acc_mean"]) == pytest.approx(50.5)
+    assert (tmp_path / "report.png").read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "report.pdf").read_bytes()[:4] == b"%PDF"
+    assert (tmp_path / "report.md").read_text().startswith("| method |")
+
+
+def test_logger_and_log_every_do_not_set_runs_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    write_run(tmp_path / "sweep" / "0", seed=0, values={"til.final_acc": 90.0})
+    changes = {"logger.project": "other", "logger.mode": "offline", "trainer.log_every": 1}
+    write_run(tmp_path / "sweep" / "1", seed=1, changes=changes, values={"til.final_acc": 80.0})
+    _, rows = report(tmp_path, capsys)
+    (row,) = rows
+    assert row["runs"] == "2" and row["setting"] == ""
+    assert float(row["til_final_acc_mean"]) == pytest.approx(statistics.fmean([90.0, 80.0]))
+
+
+def test_each_row_is_labelled_by_every_key_it_differs_in_and_latex_escapes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_run(tmp_path / "sweep" / "0")
+    write_run(tmp_path / "sweep" / "1", changes={"method.loss_scope": "all", "trainer.epochs": 5})
+    write_run(tmp_path / "sweep" / "2", method="joint", changes={"method._target_": "clbench.methods.joint.Joint"})
+    _, rows = report(tmp_path, capsys)
+    assert [(r["method"], r["setting"]) for r in rows] == [
+        ("finetune", "loss_scope=all, epochs=5"),
+        ("finetune", "loss_scope=seen, epochs=1"),
+        ("joint", ""),
+    ]
+    tex = (tmp_path / "report.tex").read_text()
+    assert r"loss\_scope=all, epochs=5" in tex and r"\toprule" in tex and r"TIL BWT" in tex
+
+
+def test_nothing_to_report_exits_2_and_help_explains_the_rows(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(tmp_path)])
+    assert exit_info.value.code == 2 and "no results.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "except for the seed" in capsys.readouterr().out
