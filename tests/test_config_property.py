@@ -97,5 +97,5 @@ def test_random_overrides_run_or_fail_with_a_clear_message(extra: list[str]) -> 
     run_task(method, task, rt, epochs=cfg.trainer.epochs)
     method.after_task(task)
     acc = rt.evaluate(method, [0])
-    assert all(0 <= a <= 100 for values in acc.values() for a in values)
+    assert all(0 <= a <= 100 for values in acc.accuracy.values() for a in values)
     assert all(torch.isfinite(p).all() for p in method.parameters())

@@ -128,7 +128,7 @@ def test_steps_and_evaluation_run_on_cuda(method_name: str, precision: str) -> N
     task = rt.benchmark.tasks[0]
     run_task(method, task, rt, epochs=1)
     method.after_task(task)
-    accuracy = rt.evaluate(method, [0])
+    accuracy = rt.evaluate(method, [0]).accuracy
     assert all(0 <= a <= 100 for values in accuracy.values() for a in values)
     assert all(torch.isfinite(p).all() for p in method.parameters())
 

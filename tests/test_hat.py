@@ -104,7 +104,7 @@ def test_old_tasks_keep_their_predictions(overrides: tuple[str, ...], drift: flo
         method.before_task(task)
         run_task(method, task, rt, epochs=3)
         method.after_task(task)
-        acc.append(rt.evaluate(method, list(range(task.id + 1)), ("til",))["til"])
+        acc.append(rt.evaluate(method, list(range(task.id + 1)), ("til",)).accuracy["til"])
         logits.append(method.predict(inputs[task.id], task.id))
         state = method.backbone.state_dict()
         if task.id == 0:

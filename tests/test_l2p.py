@@ -104,7 +104,7 @@ def test_a_prediction_does_not_depend_on_the_rest_of_its_batch() -> None:
 
 
 def test_results_record_the_histograms_and_the_batchwise_flag(tmp_path: Path) -> None:
-    train(tiny_config(*L2P_TINY, "trainer.epochs=1"), tmp_path, {})
+    train(tiny_config(*L2P_TINY, "trainer.epochs=1"), tmp_path)
     res = json.loads((tmp_path / "results.json").read_text())
     hist = res["l2p"]["prompt_histogram"]
     assert res["l2p"]["batchwise_prompt"] is False

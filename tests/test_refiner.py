@@ -65,7 +65,7 @@ class Recorder(torch.nn.Module):
 def test_every_method_runs_on_refiner(tmp_path: Path, method: str) -> None:
     extra = ("trainer.lr_scale_batch=null", "trainer.warmup_epochs=0") if method == "meat" else ()
     cfg = tiny_config("backbone=vit_micro_refiner", f"method={method}", "data.num_tasks=2", "trainer.epochs=1", *extra)
-    results = train(cfg, tmp_path, {})
+    results = train(cfg, tmp_path)
     assert results.status == "finished" and results.header["backbone_config"]["refiner"] is True
 
 

@@ -42,7 +42,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
 ) -> None:
     extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
     overrides = (f"method={method}", *CHECKPOINTED, *extra)
-    train(tiny_config(*overrides), tmp_path / "whole", {})
+    train(tiny_config(*overrides), tmp_path / "whole")
     expected = matrices(tmp_path / "whole" / "results.json")
 
     where, count = crash_at
@@ -60,10 +60,10 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
     else:
         monkeypatch.setattr(Runtime, "evaluate", crashing)
     with pytest.raises(RuntimeError, match="power cut"):
-        train(tiny_config(*overrides), tmp_path / "cut", {})
+        train(tiny_config(*overrides), tmp_path / "cut")
     monkeypatch.undo()
     assert matrices(tmp_path / "cut" / "results.json")["status"] == "failed"
-    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut", {})
+    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
     assert matrices(tmp_path / "cut" / "results.json") == expected
 
 
@@ -125,7 +125,7 @@ def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
 
 def test_sigterm_writes_a_checkpoint_mid_epoch_and_exits_cleanly(tmp_path: Path) -> None:
     overrides = (*TINY, *CHECKPOINTED, "logger.mode=disabled")
-    train(tiny_config(*CHECKPOINTED), tmp_path / "whole", {})
+    train(tiny_config(*CHECKPOINTED), tmp_path / "whole")
     expected = matrices(tmp_path / "whole" / "results.json")
     run_dir = tmp_path / "term"
     stopped = clbench_killing_itself(run_dir, "TERM", 9, *overrides)  # task 1, inside its first epoch
@@ -141,7 +141,7 @@ def test_sigterm_writes_a_checkpoint_mid_epoch_and_exits_cleanly(tmp_path: Path)
 
 def test_a_slurm_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tmp_path: Path) -> None:
     overrides = (*TINY, *CHECKPOINTED, "logger.mode=disabled")
-    train(tiny_config(*CHECKPOINTED), tmp_path / "whole", {})
+    train(tiny_config(*CHECKPOINTED), tmp_path / "whole")
     expected = matrices(tmp_path / "whole" / "results.json")
     run_dir = tmp_path / "job"
     stopped = clbench_killing_itself(run_dir, "USR2", 9, *overrides)  # submitit's signal before the time limit
@@ -156,24 +156,24 @@ def test_a_slurm_time_limit_checkpoints_requeues_and_the_requeued_job_resumes(tm
 
 
 def test_resume_auto_starts_fresh_without_a_checkpoint_and_resumes_with_one(tmp_path: Path) -> None:
-    fresh = train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=auto"), tmp_path, {})
+    fresh = train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=auto"), tmp_path)
     assert fresh.status == "finished"
-    again = train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=auto"), tmp_path, {})
+    again = train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=auto"), tmp_path)
     assert again.rows == fresh.rows and again.timing["train_s"] == fresh.timing["train_s"]  # nothing retrained
 
 
 def test_resume_refuses_another_run_and_a_corrupt_checkpoint(tmp_path: Path) -> None:
-    train(tiny_config(*CHECKPOINTED, "data.num_tasks=1"), tmp_path, {})
+    train(tiny_config(*CHECKPOINTED, "data.num_tasks=1"), tmp_path)
     with pytest.raises(ConfigError, match=r"Cannot resume .*method"):
-        train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "method=joint", "resume=true"), tmp_path, {})
+        train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "method=joint", "resume=true"), tmp_path)
     path = tmp_path / checkpoint.FILE
     path.write_bytes(path.read_bytes()[:100])  # truncated
     before = path.read_bytes()
     with pytest.raises(DataError, match=r"checkpoint\.pt is corrupt"):
-        train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=true"), tmp_path, {})
+        train(tiny_config(*CHECKPOINTED, "data.num_tasks=1", "resume=true"), tmp_path)
     assert path.read_bytes() == before  # nothing overwritten
     with pytest.raises(DataError, match=r"does not exist"):
-        train(tiny_config(*CHECKPOINTED, "resume=true"), tmp_path / "empty", {})
+        train(tiny_config(*CHECKPOINTED, "resume=true"), tmp_path / "empty")
 
 
 def test_the_checkpoint_loads_with_weights_only() -> None:
@@ -188,7 +188,7 @@ def test_an_unwritable_output_folder_is_refused_before_training(tmp_path: Path) 
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")
     with pytest.raises(ConfigError, match=r"Cannot write in the output folder .*hydra\.run\.dir"):
-        train(tiny_config(), blocker / "run", {})
+        train(tiny_config(), blocker / "run")
 
 
 def test_online_logging_without_network_falls_back_to_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,6 +196,6 @@ def test_online_logging_without_network_falls_back_to_offline(tmp_path: Path, mo
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
     cfg = tiny_config("data.num_tasks=1", "trainer.epochs=1", "logger.mode=online", "logger.online_timeout=5")
-    results = train(cfg, tmp_path, {})
+    results = train(cfg, tmp_path)
     assert results.status == "finished"
     assert list((tmp_path / "wandb").glob("offline-run-*"))

@@ -22,7 +22,7 @@ TASKS = 3
 
 def run_tiny(tmp_path: Path, *overrides: str):
     cfg = tiny_config(*overrides)
-    return train(cfg, tmp_path, {"test": True}), json.loads((tmp_path / "results.json").read_text())
+    return train(cfg, tmp_path), json.loads((tmp_path / "results.json").read_text())
 
 
 def assert_lower_triangular(matrix: list[list[float | None]]) -> None:
@@ -95,10 +95,10 @@ def test_a_failing_run_records_the_failure_and_keeps_finished_tasks(
 ) -> None:
     real_evaluate = run_module.Runtime.evaluate
 
-    def evaluate_then_fail(self, method, task_ids, scenarios=("til", "cil")):
+    def evaluate_then_fail(self, method, task_ids, scenarios=("til", "cil"), split="test"):
         if len(task_ids) == 2 and scenarios == ("til", "cil"):  # after task 1
             raise RuntimeError("disk on fire")
-        return real_evaluate(self, method, task_ids, scenarios)
+        return real_evaluate(self, method, task_ids, scenarios, split)
 
     monkeypatch.setattr(run_module.Runtime, "evaluate", evaluate_then_fail)
     with pytest.raises(RuntimeError, match="disk on fire"):
@@ -154,13 +154,14 @@ def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
 
 def test_heatmap_renders_negative_forgetting() -> None:
     from clbench.data import Task
+    from clbench.evaluation import Evaluation
     from clbench.results import Results
     from clbench.tracking import heatmap_png
 
     tasks = [Task(i, (i,), (str(i),), i) for i in range(2)]
     results = Results({"method": "m", "benchmark": "b"}, tasks)
-    results.add_stage({"til": [50.0], "cil": [50.0]})
-    results.add_stage({"til": [70.0, 90.0], "cil": [60.0, 90.0]})  # task 0 improved: forgetting -20
+    for accuracy in ({"til": [50.0], "cil": [50.0]}, {"til": [70.0, 90.0], "cil": [60.0, 90.0]}):
+        results.add_stage(Evaluation(accuracy, {}, {}, None))  # after task 1: task 0 improved, forgetting -20
     assert results.forgetting_rows("til")[1][0] == -20.0
     assert heatmap_png(results, "til")[:4] == b"\x89PNG"
 
@@ -171,7 +172,7 @@ def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, method: 
     overrides = (*TINY, f"method={method}", "trainer.epochs=1", *extra)
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(compose_config(*overrides), tmp_path / ".hydra" / "config.yaml")
-    train(validate(compose_config(*overrides)), tmp_path, {})
+    train(validate(compose_config(*overrides)), tmp_path)
     saved = json.loads((tmp_path / "results.json").read_text())["acc_matrix"]
     again = reevaluate(tmp_path)
     assert again == {s: saved[s][-1] for s in ("til", "cil")}

@@ -12,6 +12,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from clbench.comparable import setting_name
 from conftest import TINY, clbench, run_command
 
 SHORT = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
@@ -30,7 +31,8 @@ def test_parallel_launchers_run_every_job_grouped_in_wandb(tmp_path: Path, launc
     assert out.returncode == 0, out.stderr[-3000:]
     runs = results(sweep)
     assert [r["seed"] for r in runs] == [0, 1] and all(r["status"] == "finished" for r in runs)
-    assert {r["wandb"]["group"] for r in runs} == {f"{tmp_path.name}-sweep"}  # one W&B group per sweep folder
+    groups = {r["wandb"]["group"] for r in runs}  # one W&B group: the runs differ in their seed alone
+    assert groups == {setting_name(runs[0]["config"])} and groups.pop().startswith("finetune-synthetic_tiny-vit_micro-")
     assert [f"seed={s}" in r["wandb"]["name"].split(",") for s, r in enumerate(runs)] == [True, True]  # by overrides
     assert len({r["wandb"]["id"] for r in runs}) == 2
 
@@ -52,7 +54,7 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
         "hparams_search=meat_optuna",
         *SHORT,
         "hydra.sweeper.n_trials=3",
-        "objective=til.final_acc",
+        "objective=validation.til.final_acc",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
     )
@@ -60,7 +62,9 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
     runs = results(sweep)
     assert len(runs) == 3 and {r["method"] for r in runs} == {"meat"}
     best = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
-    values = [r["metrics"]["til"]["final_acc"] for r in runs]
+    values = [r["validation"]["metrics"]["til"]["final_acc"] for r in runs]  # selected on validation, not test
+    assert [r["objective"] for r in runs] == [{"name": "validation.til.final_acc", "value": v} for v in values]
+    assert all(r["config"]["data"]["val_fraction"] == 0.1 for r in runs)  # the preset's validation split
     assert best["best_value"] == pytest.approx(max(values))
     winner = runs[values.index(max(values))]["method_config"]
     assert best["best_params"]["method.lam"] == pytest.approx(winner["lam"])

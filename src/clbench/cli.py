@@ -14,10 +14,10 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from clbench.config import RunConfig, register_schemas, validate
-from clbench.errors import ClbenchError, Preempted
+from clbench.errors import ClbenchError, ConfigError, Preempted
 from clbench.files import check_writable
 
 
@@ -77,21 +77,32 @@ def report(message: str) -> None:
     print(f"\nclbench: {message}", file=sys.stderr)
 
 
-def objective(results: dict[str, dict[str, float | None]], key: str) -> float:
-    """The metric ``key`` (e.g. ``cil.final_acc``) of a finished run; NaN where it is undefined."""
-    scenario, name = key.split(".")
-    value = results[scenario][name]
-    return math.nan if value is None else float(value)
+def check_sweep_objective(cfg: RunConfig, sweeper: str) -> None:
+    """A searching sweeper (Optuna) needs an objective; one that reads the test set is allowed only with
+    ``objective_on_test=true`` (see :func:`clbench.config.check_objective`), and warned about."""
+    if "optuna" in sweeper.lower() and cfg.objective is None:
+        raise ConfigError(
+            "An Optuna sweep needs `objective=`: e.g. `objective=validation.cil.final_acc data.val_fraction=0.1` "
+            "(the hparams_search presets set both)."
+        )
+    if cfg.objective is not None and not cfg.objective.startswith("validation."):
+        log.warning(
+            "objective=%s reads the TEST set (objective_on_test=true): a search that selects by it overstates the "
+            "result; report the selected setting on a split it was not chosen on.",
+            cfg.objective,
+        )
 
 
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def app(cfg: DictConfig) -> float | None:
-    """One job. Returns ``objective`` (default: the CIL final accuracy), the value a Hydra sweeper (Optuna)
-    optimises; a job that fails in a sweep returns NaN, which Optuna records as a failed trial."""
+    """One job. Returns ``objective`` (e.g. the validation CIL final accuracy), the value a Hydra sweeper (Optuna)
+    optimises, or None without one; a job that fails in a sweep returns NaN, which Optuna records as a failed
+    trial."""
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     try:
         run_cfg = requeued(validate(cfg))
+        check_sweep_objective(run_cfg, str(hydra_cfg.sweeper.get("_target_", "")))
         from clbench import distributed  # heavy imports (torch, timm) only once the config is known to be valid
         from clbench.run import train
 
@@ -100,11 +111,10 @@ def app(cfg: DictConfig) -> float | None:
         results = train(
             run_cfg,
             run_dir,
-            OmegaConf.to_container(cfg, resolve=True),
-            group="-".join(Path(hydra_cfg.sweep.dir).parts[-2:]) if multirun else None,
             name=hydra_cfg.job.override_dirname or None,
         )
-        return objective(results.metrics(), run_cfg.objective)
+        value = results.objective["value"] if results.objective else None
+        return math.nan if run_cfg.objective is not None and value is None else value
     except Preempted as err:
         print(
             f"\nclbench: {err}. A checkpoint is in {hydra_cfg.runtime.output_dir}; continue with the same command and "

@@ -51,6 +51,8 @@ class DataConfig:
     store_size: int | None = None  # image folders and sequences: images stored RGB at this square size
     test_fraction: float = 0.2  # folders without train/test sub-folders: the seeded per-class test share
     split_seed: int = 0  # ... and its seed (recorded with the run)
+    val_fraction: float = 0.0  # stratified share of each task's training data held out for validation (0: none)
+    val_seed: int = 0  # the validation split's own seed: the same split for every training seed
     decode_workers: int = 8  # threads decoding image files
     # Train-time augmentation, applied in batches on the device.
     train_crop: str = "pad"  # pad: shift by up to crop_padding px | resized: RandomResizedCrop | none
@@ -78,6 +80,8 @@ class DataConfig:
                 self.tasks == len(self.datasets), "data.tasks", self.tasks, f"len(data.datasets) = {len(self.datasets)}"
             )
         require(0 < self.test_fraction < 1, "data.test_fraction", self.test_fraction, "a float in (0, 1)")
+        require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a float in [0, 1)")
+        require(self.val_seed >= 0, "data.val_seed", self.val_seed, "an integer >= 0")
         require(self.decode_workers >= 1, "data.decode_workers", self.decode_workers, "an integer >= 1")
         require(
             self.num_tasks is None or 1 <= self.num_tasks <= self.tasks,
@@ -185,9 +189,9 @@ class LoggerConfig:
     mode: str = "offline"  # offline (sync later with `wandb sync`) | online | disabled
     project: str = "clbench"
     entity: str | None = None
-    group: str | None = None  # null: the multirun's sweep folder name, so a sweep's jobs are grouped
+    group: str | None = None  # null: <method>-<benchmark>-<backbone>-<hash of the config less the seed>
     name: str | None = None  # null: the job's overrides, e.g. method=meat,seed=1
-    tags: list[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)  # added to method:<m>, benchmark:<b>, backbone:<b>
     online_timeout: float = 30.0  # seconds online mode may take to connect before falling back to offline
 
     def __post_init__(self) -> None:
@@ -207,7 +211,8 @@ class RunConfig:
     method_target: str
     seed: int = 0
     resume: bool | str = False  # True | False | "auto" (resume only where a checkpoint exists)
-    objective: str = "cil.final_acc"  # the metric a job returns to a sweeper
+    objective: str | None = None  # the metric a job returns to a sweeper, e.g. validation.cil.final_acc
+    objective_on_test: bool = False  # let `objective` read a test metric (selection on test: opt-in, warned)
 
 
 _GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
@@ -238,7 +243,7 @@ def _typed(schema: type, node: Any, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
-    allowed = {*_GROUPS, "method", "seed", "resume", "objective"}
+    allowed = {*_GROUPS, "method", "seed", "resume", "objective", "objective_on_test"}
     unknown = sorted(set(cfg.keys()) - allowed)
     if unknown:
         raise ConfigError(f"Unknown top-level key(s) {unknown}. Allowed: {sorted(allowed)}.")
@@ -257,17 +262,51 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
     resume = cfg.get("resume", False)
     require(isinstance(resume, bool) or resume == "auto", "resume", resume, "true, false or auto")
-    objective = cfg.get("objective", "cil.final_acc")
-    scenario, _, name = str(objective).partition(".")
-    require(
-        scenario in ("til", "cil") and name in metrics.NAMES,
-        "objective",
-        objective,
-        f"<til|cil>.<{'|'.join(metrics.NAMES)}>",
+    objective, on_test = cfg.get("objective"), cfg.get("objective_on_test", False)
+    require(isinstance(on_test, bool), "objective_on_test", on_test, "true or false")
+    if objective is not None:
+        check_objective(str(objective), on_test, groups["data"])
+    return RunConfig(
+        **groups,
+        method=method,
+        method_target=target,
+        seed=seed,
+        resume=resume,
+        objective=None if objective is None else str(objective),
+        objective_on_test=on_test,
     )
-    return RunConfig(**groups, method=method, method_target=target, seed=seed, resume=resume, objective=str(objective))
+
+
+def check_objective(name: str, on_test: bool, data: DataConfig) -> None:
+    """A sweep selects by validation: a test metric needs ``objective_on_test=true``; a validation metric needs a
+    validation split."""
+    parsed = metrics.parse_objective(name)
+    require(parsed is not None, "objective", name, f"[validation.]<til|cil>.<{'|'.join(metrics.NAMES)}>")
+    split = parsed[0] if parsed else "test"
+    require(
+        split == "validation" or on_test,
+        "objective",
+        name,
+        f"validation.{name} with data.val_fraction > 0 (e.g. 0.1): {name} reads the test set, and a sweep that selects "
+        "by it tunes on test data and overstates the result; or opt in with objective_on_test=true",
+    )
+    require(
+        split == "test" or data.val_fraction > 0,
+        "objective",
+        name,
+        f"{name} once data.val_fraction > 0 (e.g. 0.1) holds out that share of each task's training data",
+    )
 
 
 def as_dict(obj: Any) -> dict[str, Any]:
     """A dataclass as a plain dict (for results.json and W&B)."""
     return dataclasses.asdict(obj)
+
+
+def full_config(cfg: RunConfig) -> dict[str, Any]:
+    """The whole resolved config as plain data, as the command line would set it: results.json's ``config`` and the
+    W&B run's config. It holds no secret: W&B's API key lives in the environment or ~/.netrc, never in the config."""
+    groups = {key: as_dict(getattr(cfg, key)) for key in _GROUPS}
+    method = {"_target_": cfg.method_target, **as_dict(cfg.method)}
+    top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in {*_GROUPS, "method"}}
+    return {"method": method, **groups, **{k: v for k, v in top.items() if k != "method_target"}}

@@ -1,23 +1,50 @@
-"""Accuracy of every seen task, per sample, in both scenarios.
+"""Accuracy of every seen task, per sample, in both scenarios, counted with torchmetrics.
 
 - TIL: the task id is given: ``predict(x, j)`` over task ``j``'s classes.
 - CIL: no task id: ``predict(x, None)`` over all seen classes (task-conditioned methods infer the task).
 Nothing in one test sample's prediction depends on the other samples of its batch: the model is in eval
-mode and ViTs have no batch statistics. Counts stay on the device until the task is done. In a multi-process
-run each rank predicts its share of every batch and the counts are summed over ranks.
+mode and ViTs have no batch statistics. The counts stay on the device until a task is done; in a multi-process
+run each rank predicts its share of every batch and torchmetrics sums the counts over the ranks.
+
+Besides accuracy, what a reader needs when a method fails: top-5 accuracy where more than five classes compete,
+per-class accuracy, and the CIL task-confusion matrix (row j: the share of task j's samples predicted in task k's
+classes; recency bias shows as a heavy last column, task-inference errors as mass off the diagonal).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 
 import torch
+from torchmetrics import Metric
+from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
 
 from clbench.data import Benchmark, DeviceTransform
 from clbench.distributed import Ranks
 from clbench.methods import Method
 
 SCENARIOS = ("til", "cil")
+
+
+@dataclass
+class Evaluation:
+    """One evaluation of some tasks, in percent. Lists run over the evaluated tasks in order; ``per_class`` over
+    their classes in global label order."""
+
+    accuracy: dict[str, list[float]]
+    top5: dict[str, list[float | None]]  # None where at most five classes compete
+    per_class: dict[str, list[float]]
+    task_confusion: list[list[float | None]] | None  # CIL; rows: evaluated tasks, columns: every seen task
+
+
+def accuracy_metric(num_classes: int, device: torch.device, **kwargs: object) -> Metric:
+    return MulticlassAccuracy(num_classes, validate_args=False, **kwargs).to(device)
+
+
+def percent(metric: Metric) -> list[float]:
+    return [100.0 * v for v in metric.compute().reshape(-1).tolist()]
 
 
 @torch.no_grad()
@@ -31,26 +58,53 @@ def evaluate(
     autocast: AbstractContextManager,
     scenarios: tuple[str, ...] = SCENARIOS,
     ranks: Ranks = Ranks(),  # noqa: B008 (frozen dataclass: the single process)
-) -> dict[str, list[float]]:
-    """Per-task accuracy (%) of ``task_ids`` in each scenario."""
+    split: str = "test",
+) -> Evaluation:
+    """Evaluate ``task_ids`` on the benchmark's ``split`` (test or validation) in each scenario.
+
+    CIL top-5 is left out (None) for task-conditioned methods: their CIL scores are -inf outside the inferred task,
+    so a top-5 past that task's classes would rank ties."""
     was_training = method.training
     method.eval()
-    accuracy: dict[str, list[float]] = {s: [] for s in scenarios}
+    seen = benchmark.tasks[: method.num_seen]
+    device = benchmark.test[0].y.device
+    owner = torch.cat([torch.full((t.num_classes,), t.id, device=device) for t in seen])  # global label -> task
+    widths = {"cil": len(owner)}
+    out = Evaluation({s: [] for s in scenarios}, {s: [] for s in scenarios}, {s: [] for s in scenarios}, None)
+    tasks = max(2, len(seen))  # torchmetrics needs two classes; with one seen task the second stays empty
+    confusion = MulticlassConfusionMatrix(tasks, validate_args=False).to(device) if "cil" in scenarios else None
     for j in task_ids:
-        task, split = benchmark.tasks[j], benchmark.test[j]
-        correct = {s: torch.zeros((), dtype=torch.long, device=split.y.device) for s in scenarios}
-        for images, batch_labels in split.batches(batch_size, shuffle=False):
+        task, data = benchmark.tasks[j], getattr(benchmark, split)[j]
+        widths["til"] = task.num_classes
+        counters = {}
+        for s in scenarios:
+            top5 = widths[s] > 5 and not (s == "cil" and method.task_conditioned)
+            counters[s] = {
+                "accuracy": accuracy_metric(widths[s], device, average="micro"),
+                "per_class": accuracy_metric(widths[s], device, average="none"),
+                **({"top5": accuracy_metric(widths[s], device, average="micro", top_k=5)} if top5 else {}),
+            }
+        for images, batch_labels in data.batches(batch_size, shuffle=False):
             part, weight = ranks.shard(len(batch_labels))
             if weight == 0:
                 continue
             x, labels = transform(images, part), batch_labels[part]
             with autocast, method.evaluating(j):
                 logits = method.predict_scenarios(x, j, scenarios)
-            if "til" in logits:
-                correct["til"] += (logits["til"].argmax(1) + task.offset == labels).sum()
-            if "cil" in logits:
-                correct["cil"] += (logits["cil"].argmax(1) == labels).sum()
+            targets = {"til": labels - task.offset, "cil": labels}
+            for s, scores in logits.items():
+                for metric in counters[s].values():
+                    metric.update(scores.float(), targets[s])
+            if confusion is not None:
+                confusion.update(owner[logits["cil"].argmax(1)], torch.full_like(labels, j))
         for s in scenarios:
-            accuracy[s].append(100.0 * ranks.sum_(correct[s]).item() / len(split))
+            out.accuracy[s] += percent(counters[s]["accuracy"])
+            out.top5[s] += percent(counters[s]["top5"]) if "top5" in counters[s] else [None]
+            classes = percent(counters[s]["per_class"])
+            out.per_class[s] += classes if s == "til" else classes[task.offset : task.offset + task.num_classes]
+    if confusion is not None:
+        counts = confusion.compute()[task_ids, : len(seen)].double()
+        share = 100.0 * counts / counts.sum(1, keepdim=True)
+        out.task_confusion = [[None if math.isnan(v) else v for v in row] for row in share.tolist()]  # empty row
     method.train(was_training)
-    return accuracy
+    return out

@@ -98,3 +98,13 @@ def summary(
         "bwt": bwt(matrix),
         "fwt": fwt(before_task, random_init),
     }
+
+
+def parse_objective(name: str) -> tuple[str, str, str] | None:
+    """``[validation.]<til|cil>.<metric>`` (a sweep's objective) as (split, scenario, metric), or None if it is not
+    of that form."""
+    parts = name.split(".")
+    split, rest = ("validation", parts[1:]) if parts[0] == "validation" else ("test", parts)
+    if len(rest) != 2 or rest[0] not in ("til", "cil") or rest[1] not in NAMES:
+        return None
+    return split, rest[0], rest[1]

@@ -27,7 +27,9 @@ def load_run_config(run_dir: Path) -> RunConfig:
     path = run_dir / ".hydra" / "config.yaml"
     if not path.is_file():
         raise DataError(f"{run_dir} is not a clbench run folder: {path} is missing.")
-    return validate(OmegaConf.load(path))
+    saved = OmegaConf.load(path)
+    saved.objective = None  # what a sweep read of the run does not matter here (older runs named a test metric)
+    return validate(saved)
 
 
 def reevaluate(run_dir: Path, device: str | None = None) -> dict[str, list[float]]:
@@ -49,7 +51,7 @@ def reevaluate(run_dir: Path, device: str | None = None) -> dict[str, list[float
         method.load_artifacts(tensors)
     except (KeyError, RuntimeError) as err:
         raise DataError(f"{path} does not fit the run's config ({err}).") from None
-    return rt.evaluate(method, list(range(method.num_seen)))
+    return rt.evaluate(method, list(range(method.num_seen))).accuracy
 
 
 def comparison_table(recomputed: dict[str, list[float]], saved: dict[str, list[list[float | None]]]) -> Table:

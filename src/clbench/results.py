@@ -8,7 +8,7 @@ from typing import Any
 
 from clbench import metrics
 from clbench.data import Task
-from clbench.evaluation import SCENARIOS
+from clbench.evaluation import SCENARIOS, Evaluation
 from clbench.files import write_atomic
 
 
@@ -22,6 +22,9 @@ class Results:
         self.failure: str | None = None
         t = len(tasks)
         self.rows: dict[str, list[list[float | None]]] = {s: [] for s in SCENARIOS}
+        self.validation_rows: dict[str, list[list[float | None]]] | None = None  # with a validation split
+        self.diagnostics: dict[str, Any] = {}  # the latest evaluation's top-5, per-class and task-confusion
+        self.objective: dict[str, Any] | None = None
         self.before_task: dict[str, list[float | None]] = {s: [None] * t for s in SCENARIOS}
         self.random_init: dict[str, list[float]] | None = None
         self.timing: dict[str, list[float]] = {"train_s": [], "eval_s": [], "train_images_per_s": []}
@@ -32,6 +35,8 @@ class Results:
         """What a checkpoint keeps of the results (the rest comes from the config)."""
         return {
             "rows": self.rows,
+            "validation_rows": self.validation_rows,
+            "diagnostics": self.diagnostics,
             "before_task": self.before_task,
             "random_init": self.random_init,
             "timing": self.timing,
@@ -41,32 +46,52 @@ class Results:
 
     def restore(self, state: dict[str, Any]) -> None:
         self.rows, self.before_task, self.random_init = state["rows"], state["before_task"], state["random_init"]
+        self.validation_rows, self.diagnostics = state["validation_rows"], state["diagnostics"]
         self.timing, self.storage, self.extra = state["timing"], state["storage"], state["extra"]
 
     @property
     def stages(self) -> int:
         return len(self.rows["til"])
 
-    def add_stage(self, accuracy: dict[str, list[float]]) -> None:
-        """Record the row of accuracies measured after training task ``stages``."""
+    def add_stage(self, test: Evaluation, validation: Evaluation | None = None) -> None:
+        """Record what was measured after training task ``stages``: the rows of the accuracy matrices (test and,
+        with a validation split, validation) and the test set's diagnostics."""
         t = len(self.tasks)
-        for s in SCENARIOS:
-            row = list(accuracy[s])
-            self.rows[s].append(row + [None] * (t - len(row)))
+        if validation is not None and self.validation_rows is None:
+            self.validation_rows = {s: [] for s in SCENARIOS}
+        for rows, evaluation in ((self.rows, test), (self.validation_rows, validation)):
+            if evaluation is not None and rows is not None:
+                for s in SCENARIOS:
+                    rows[s].append(evaluation.accuracy[s] + [None] * (t - len(evaluation.accuracy[s])))
+        self.diagnostics = {
+            "top5_acc": test.top5,
+            "per_class_acc": test.per_class,
+            "task_confusion": {"cil": test.task_confusion},
+        }
 
-    def square(self, scenario: str) -> list[list[float | None]]:
-        """The matrix over the tasks trained so far (the metrics treat it as the whole run so far)."""
-        k = self.stages
-        return [row[:k] for row in self.rows[scenario]]
-
-    def metrics(self) -> dict[str, dict[str, float | None]]:
-        if self.stages == 0:
+    def metrics(self, split: str = "test") -> dict[str, dict[str, float | None]]:
+        """Each scenario's metrics over the tasks trained so far. Validation has no FWT: it is not measured before
+        a task starts."""
+        rows = self.rows if split == "test" else self.validation_rows
+        if self.stages == 0 or rows is None:
             return {}
         out = {}
         for s in SCENARIOS:
-            rand = self.random_init[s][: self.stages] if self.random_init else None
-            out[s] = metrics.summary(self.square(s), self.before_task[s][: self.stages], rand)
+            square = [row[: self.stages] for row in rows[s]]
+            if split == "test":
+                rand = self.random_init[s][: self.stages] if self.random_init else None
+                out[s] = metrics.summary(square, self.before_task[s][: self.stages], rand)
+            else:
+                out[s] = metrics.summary(square, [None] * self.stages, None)
         return out
+
+    def objective_value(self, name: str) -> float | None:
+        """``[validation.]<til|cil>.<metric>`` of the tasks trained so far (None where undefined)."""
+        parsed = metrics.parse_objective(name)
+        if parsed is None:
+            raise ValueError(f"not an objective: {name!r}")
+        split, scenario, metric = parsed
+        return self.metrics(split).get(scenario, {}).get(metric)
 
     def forgetting_rows(self, scenario: str) -> list[list[float | None]]:
         t = len(self.tasks)
@@ -84,10 +109,19 @@ class Results:
             "metrics": self.metrics(),
             "random_init_acc": self.random_init,
             "before_task_acc": self.before_task,
+            **self.validation(),
+            **self.diagnostics,
+            **({"objective": self.objective} if self.objective else {}),
             "storage": self.storage,
             "timing": self.timing,
             **self.extra,
         }
+
+    def validation(self) -> dict[str, Any]:
+        """results.json's ``validation`` entry, with a validation split."""
+        if self.validation_rows is None:
+            return {}
+        return {"validation": {"acc_matrix": self.validation_rows, "metrics": self.metrics("validation")}}
 
     def write(self, run_dir: Path) -> Path:
         path = run_dir / "results.json"

@@ -35,11 +35,11 @@ from torch import nn
 from clbench import __version__, checkpoint, distributed
 from clbench.backbones import build_backbone, input_stats, sha256, weights_file
 from clbench.checkpoint import Cursor, Position
-from clbench.config import RunConfig, TrainerConfig, as_dict
+from clbench.config import RunConfig, TrainerConfig, as_dict, full_config
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
 from clbench.distributed import Ranks
 from clbench.errors import ConfigError, Diverged, Preempted
-from clbench.evaluation import evaluate
+from clbench.evaluation import SCENARIOS, Evaluation, evaluate
 from clbench.files import check_writable
 from clbench.methods import Method
 from clbench.methods.base import Phase
@@ -84,17 +84,19 @@ class Runtime:
     def autocast(self) -> AbstractContextManager:
         return autocast_for(self.device, self.cfg.trainer.precision)
 
-    def evaluate(self, method: Method, task_ids: list[int], scenarios: tuple[str, ...] = ("til", "cil")):
-        bs = self.cfg.trainer.eval_batch_size
+    def evaluate(
+        self, method: Method, task_ids: list[int], scenarios: tuple[str, ...] = SCENARIOS, split: str = "test"
+    ) -> Evaluation:
         return evaluate(
             method,
             self.benchmark,
             task_ids,
             transform=self.test_tf,
-            batch_size=bs,
+            batch_size=self.cfg.trainer.eval_batch_size,
             autocast=self.autocast,
             scenarios=scenarios,
             ranks=self.ranks,
+            split=split,
         )
 
 
@@ -313,7 +315,7 @@ def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
     with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
         for task in rt.benchmark.tasks:
             probe.before_task(task)
-            for s, values in rt.evaluate(probe, [task.id]).items():
+            for s, values in rt.evaluate(probe, [task.id]).accuracy.items():
                 acc[s] += values
             finish_untrained(probe, task)
     return acc
@@ -362,6 +364,7 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "class_order_seed": cfg.data.class_order_seed,
         "method_config": as_dict(cfg.method),
         "backbone_config": as_dict(cfg.backbone),
+        "config": full_config(cfg),
     }
 
 
@@ -415,9 +418,7 @@ def restore(
 def train(
     cfg: RunConfig,
     run_dir: Path,
-    wandb_config: dict[str, Any],
     *,
-    group: str | None = None,
     name: str | None = None,
 ) -> Results:
     """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task. With
@@ -443,7 +444,7 @@ def train(
         results.header["data_splits"] = benchmark.splits
     position, wandb_id = restore(cfg, run_dir, method, rt, results) if resuming else (Position(0, 0), None)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
-    tracker = WandbTracker(logger, run_dir, wandb_config, group=group, name=name, run_id=wandb_id)
+    tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
     results.header["wandb"] = tracker.identity()
 
     def save(task_id: int, cursor: Cursor | None, step: int) -> None:
@@ -476,7 +477,8 @@ def train(
                 if cursor is None:
                     method.before_task(task)
                     if task.id > 0:
-                        results.before_task["til"][task.id] = rt.evaluate(method, [task.id], ("til",))["til"][0]
+                        before = rt.evaluate(method, [task.id], ("til",))
+                        results.before_task["til"][task.id] = before.accuracy["til"][0]
                         results.before_task["cil"][task.id] = 0.0  # its classes are unseen: no CIL guess can hit
                 start = time.perf_counter()
                 step, images = run_task(
@@ -496,7 +498,9 @@ def train(
                     torch.cuda.synchronize()
                 train_s = time.perf_counter() - start
                 start = time.perf_counter()
-                results.add_stage(rt.evaluate(method, list(range(task.id + 1))))
+                seen = list(range(task.id + 1))
+                validation = rt.evaluate(method, seen, split="validation") if benchmark.validation else None
+                results.add_stage(rt.evaluate(method, seen), validation)
                 eval_s = time.perf_counter() - start
                 results.timing["train_s"].append(round(train_s, 3))
                 results.timing["eval_s"].append(round(eval_s, 3))
@@ -517,6 +521,8 @@ def train(
                     f"CIL {np.mean(row['cil'][-1][: task.id + 1]):.1f}%  ({train_s:.1f}s train, {eval_s:.1f}s eval)"
                 )
         results.status = "finished"
+        if cfg.objective is not None:
+            results.objective = {"name": cfg.objective, "value": results.objective_value(cfg.objective)}
         exit_code = 0
     except Preempted as err:
         results.status = "interrupted"
@@ -529,7 +535,7 @@ def train(
     finally:
         if main:
             write_run_files(results, run_dir, heatmaps=results.stages > 0)
-        tracker.finish(results, exit_code)
+        tracker.finish(results, run_dir, exit_code)
     if main:
         print_summary(results, run_dir)
     return results

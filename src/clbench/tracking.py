@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save as save_safetensors
 
+from clbench.comparable import setting_name
 from clbench.config import LoggerConfig
 from clbench.evaluation import SCENARIOS
 from clbench.files import write_atomic
@@ -83,6 +84,32 @@ def heatmap_png(results: Results, scenario: str) -> bytes:
     return buf.getvalue()
 
 
+def task_confusion_png(results: Results) -> bytes:
+    """The CIL task-confusion matrix after the latest task: row j = where task j's test samples were predicted (% in
+    each task's classes). The diagonal is task inference done right; a heavy last column is recency bias."""
+    rows = results.diagnostics["task_confusion"]["cil"]
+    n = len(rows)
+    grid = [[math.nan if v is None else v for v in row] for row in rows]
+    fig, ax = plt.subplots(figsize=(1.6 + 0.6 * n, 1.2 + 0.55 * n))
+    im = ax.imshow(grid, cmap="Blues", vmin=0.0, vmax=100.0)
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            if v is not None:
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="white" if v > 60 else "black")
+    ax.set_xlabel("predicted in the classes of task")
+    ax.set_ylabel("test samples of task")
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="% of the task's samples")
+    header = results.header
+    ax.set_title(f"{header['method']} on {header['benchmark']}: CIL task confusion", fontsize=9)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def prompt_histogram_png(histogram: dict[str, list[list[int]]], title: str) -> bytes:
     """L2P's prompt-selection counts, tasks x prompts, for training and for the latest evaluation side by side
     (pool collapse shows as the same few columns lit in every row)."""
@@ -114,6 +141,8 @@ def write_run_files(
         write_atomic(run_dir / f"forgetting_matrix_{s}.csv", matrix_csv(results.forgetting_rows(s)))
         if heatmaps:
             write_atomic(run_dir / f"heatmap_{s}.png", heatmap_png(results, s))
+    if heatmaps and results.diagnostics.get("task_confusion", {}).get("cil"):
+        write_atomic(run_dir / "task_confusion_cil.png", task_confusion_png(results))
     histogram = results.extra.get("l2p", {}).get("prompt_histogram")
     if histogram and histogram["train"]:
         title = f"{results.header['method']} on {results.header['benchmark']}"
@@ -150,7 +179,10 @@ def summary_tables(results: Results) -> list[Table]:
 def print_summary(results: Results, run_dir: Path) -> None:
     for table in summary_tables(results):
         console.print(table)
-    console.print(f"[bold]Run folder:[/bold] {run_dir}  (results.json, CSVs, heatmap_til.png, heatmap_cil.png)")
+    console.print(
+        f"[bold]Run folder:[/bold] {run_dir}  (results.json, CSVs, heatmap_til.png, heatmap_cil.png, "
+        "task_confusion_cil.png)"
+    )
 
 
 # --------------------------------------------------------------------------------------------- W&B
@@ -163,25 +195,28 @@ class WandbTracker:
         run_dir: Path,
         config: dict[str, Any],
         *,
-        group: str | None,
         name: str | None,
         run_id: str | None = None,
     ) -> None:
-        """``run_id``: continue that W&B run (a resumed clbench run keeps its W&B run)."""
+        """``config``: the run's whole config (:func:`clbench.config.full_config`). Runs are grouped by it less the
+        seed (``logger.group`` overrides), so W&B's grouping averages only comparable runs; tagged with method,
+        benchmark and backbone. ``run_id``: continue that W&B run (a resumed clbench run keeps its W&B run)."""
         self.run = None
         if cfg.mode == "disabled":
             return
         import wandb
 
         self._wandb = wandb
+        method = config["method"]["_target_"].rsplit(".", 1)[-1].lower()
+        tags = [f"method:{method}", f"benchmark:{config['data']['name']}", f"backbone:{config['backbone']['name']}"]
         options = dict(
             project=cfg.project,
             entity=cfg.entity,
             dir=str(run_dir),
             config=config,
-            group=cfg.group or group,
+            group=cfg.group or setting_name(config),
             name=cfg.name or name,
-            tags=list(cfg.tags),
+            tags=[*tags, *cfg.tags],
             id=run_id,
             resume="allow" if run_id else None,
         )
@@ -196,6 +231,9 @@ class WandbTracker:
                 f"logging offline into {run_dir / 'wandb'} instead (upload later with `wandb sync`).[/yellow]"
             )
             self.run = wandb.init(mode="offline", settings=wandb.Settings(quiet=True, console="off"), **options)
+        self.run.define_metric("task")
+        for prefix in ("eval", "metrics", "top5", "validation", "validation_metrics"):  # plotted against the task
+            self.run.define_metric(f"{prefix}/*", step_metric="task")
 
     @property
     def run_id(self) -> str | None:
@@ -212,18 +250,28 @@ class WandbTracker:
             self.run.log(data, step=step)
 
     def log_stage(self, results: Results, run_dir: Path, step: int) -> None:
-        """Per-task accuracies, the matrices as tables and heatmaps, and the metrics so far."""
+        """Per-task accuracies (test, validation, top-5), the metrics so far, the matrices as tables and heatmaps,
+        the CIL task confusion and the per-class accuracy; the summary keeps each metric's latest value, once."""
         if self.run is None:
             return
         wandb = self._wandb
         i = results.stages - 1
         data: dict[str, Any] = {"task": i}
+        validation = results.metrics("validation")
         for s in SCENARIOS:
             for j, v in enumerate(results.rows[s][i][: i + 1]):
                 data[f"eval/{s}/task_{j}"] = v
+            for j, v in enumerate(results.diagnostics["top5_acc"][s]):
+                if v is not None:
+                    data[f"top5/{s}/task_{j}"] = v
             for key, v in results.metrics()[s].items():
                 if v is not None:
                     data[f"metrics/{s}/{key}"] = v
+            for j, v in enumerate(results.validation_rows[s][i][: i + 1] if results.validation_rows else []):
+                data[f"validation/{s}/task_{j}"] = v
+            for key, v in validation.get(s, {}).items():
+                if v is not None:
+                    data[f"validation_metrics/{s}/{key}"] = v
             columns = ["after_task", *[f"task_{j}" for j in range(len(results.tasks))]]
             data[f"acc_matrix/{s}"] = wandb.Table(
                 columns=columns, data=[[k, *r] for k, r in enumerate(results.rows[s])]
@@ -232,15 +280,30 @@ class WandbTracker:
                 columns=columns, data=[[k, *r] for k, r in enumerate(results.forgetting_rows(s))]
             )
             data[f"heatmap/{s}"] = wandb.Image(str(run_dir / f"heatmap_{s}.png"))
+        confusion = results.diagnostics["task_confusion"]["cil"]
+        if confusion:
+            columns = ["task", *[f"in_task_{k}" for k in range(len(confusion))]]
+            data["task_confusion/cil"] = wandb.Table(columns=columns, data=[[j, *r] for j, r in enumerate(confusion)])
+            data["task_confusion/cil_heatmap"] = wandb.Image(str(run_dir / "task_confusion_cil.png"))
+        names = [name for task in results.tasks[: i + 1] for name in task.class_names]
+        per_class = results.diagnostics["per_class_acc"]
+        rows = zip(names, *(per_class[s] for s in SCENARIOS), strict=True)
+        data["per_class_acc"] = wandb.Table(columns=["class", *SCENARIOS], data=[list(row) for row in rows])
         if (run_dir / "prompt_histogram.png").is_file():
             data["l2p/prompt_histogram"] = wandb.Image(str(run_dir / "prompt_histogram.png"))
         self.run.log(data, step=step)
 
-    def finish(self, results: Results, exit_code: int) -> None:
+    def finish(self, results: Results, run_dir: Path, exit_code: int) -> None:
+        """Mark the run's status, log the run folder's results (results.json, CSVs, PNGs, the method's tensors) as a
+        W&B Artifact, and close the run."""
         if self.run is None:
             return
-        for s, values in results.metrics().items():
-            for key, v in values.items():
-                self.run.summary[f"{s}/{key}"] = v
         self.run.summary["status"] = results.status
+        if results.objective:
+            self.run.summary["objective"] = results.objective["value"]
+        artifact = self._wandb.Artifact(f"results-{self.run.id}", type="results", metadata={"status": results.status})
+        for pattern in ("results.json", "*.csv", "*.png", "method_artifacts.safetensors"):
+            for path in sorted(run_dir.glob(pattern)):
+                artifact.add_file(str(path))
+        self.run.log_artifact(artifact)
         self.run.finish(exit_code=exit_code)

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from clbench.config import DataConfig
+from clbench.data.image_folder import seeded_split
 from clbench.data.sources import SourceData, load_named_source, load_source
 from clbench.errors import ConfigError
 
@@ -74,13 +75,14 @@ class Split:
 
 @dataclass
 class Benchmark:
-    """Ordered tasks with their train and test splits."""
+    """Ordered tasks with their train, test and (``data.val_fraction`` > 0) validation splits."""
 
     name: str
     tasks: list[Task]
     train: list[Split]
     test: list[Split]
-    splits: list[dict[str, Any]] = field(default_factory=list)  # seeded train/test splits made while loading
+    splits: list[dict[str, Any]] = field(default_factory=list)  # seeded splits made while loading
+    validation: list[Split] = field(default_factory=list)  # held out of train; empty without a validation split
 
     @property
     def num_classes(self) -> int:
@@ -92,7 +94,20 @@ class Benchmark:
 
     def to(self, device: torch.device) -> Benchmark:
         train, test = [s.to(device) for s in self.train], [s.to(device) for s in self.test]
-        return Benchmark(self.name, self.tasks, train, test, self.splits)
+        return Benchmark(self.name, self.tasks, train, test, self.splits, [s.to(device) for s in self.validation])
+
+    def hold_out_validation(self, fraction: float, seed: int) -> Benchmark:
+        """Move a stratified, seeded ``fraction`` of each class of each task's training data into a validation
+        split (at least one image of a class with two or more; :func:`seeded_split`). The split depends on
+        ``seed`` only, never on the training seed; its counts are recorded in ``splits``."""
+        train, validation, counts = [], [], []
+        for task, split in zip(self.tasks, self.train, strict=True):
+            held = torch.from_numpy(seeded_split(split.y.numpy(), fraction, seed))
+            train.append(Split(split.x[~held], split.y[~held]))
+            validation.append(Split(split.x[held], split.y[held]))
+            counts.append({"task": task.id, "train_images": len(train[-1]), "validation_images": len(validation[-1])})
+        record = {"validation": {"fraction": fraction, "seed": seed, "per_task": counts}}
+        return Benchmark(self.name, self.tasks, train, self.test, [*self.splits, record], validation)
 
 
 def class_order(num_classes: int, seed: int | None) -> np.ndarray:
@@ -146,7 +161,7 @@ def sequence_of_datasets(cfg: DataConfig) -> Benchmark:
 
 
 def build_benchmark(cfg: DataConfig) -> Benchmark:
-    """Load the configured source(s) and make the tasks (on the CPU; move them with ``.to(device)``)."""
-    if cfg.source == "sequence":
-        return sequence_of_datasets(cfg)
-    return split_into_tasks(load_source(cfg), cfg)
+    """Load the configured source(s), make the tasks and hold out the validation split (on the CPU; move them with
+    ``.to(device)``)."""
+    benchmark = sequence_of_datasets(cfg) if cfg.source == "sequence" else split_into_tasks(load_source(cfg), cfg)
+    return benchmark.hold_out_validation(cfg.val_fraction, cfg.val_seed) if cfg.val_fraction else benchmark
