@@ -19,9 +19,9 @@ from clbench.results import Results
 from clbench.run import train
 from conftest import compose_config
 
-ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat")  # TIL forgetting exactly 0: stored masks, frozen weights
+ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "simplecil")  # TIL forgetting 0: stored masks/prototypes
 # HAT's gates are sigmoid(s_max e), not exactly binary: old tasks may move by float noise (at most a point).
-METHODS = ("joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
+METHODS = ("joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "simplecil")
 
 
 def run(tmp_path: Path, *overrides: str) -> Results:

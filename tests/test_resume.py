@@ -17,19 +17,21 @@ from clbench.errors import ConfigError, DataError
 from clbench.run import Runtime, train
 from conftest import TINY, clbench, run_command, tiny_config
 
-CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2")
+CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2", "data.val_fraction=0.2")
 
 
 def matrices(results_json: Path) -> dict:
     res = json.loads(results_json.read_text())
-    return {k: res[k] for k in ("acc_matrix", "before_task_acc", "random_init_acc", "status")}
+    keys = ("acc_matrix", "before_task_acc", "random_init_acc", "validation", "task_confusion", "status")
+    return {k: res.get(k) for k in keys}
 
 
 @pytest.mark.parametrize(
     ("method", "crash_at"),
     [
         ("finetune", ("step", 5)),  # mid-task (task 0, epoch 1)
-        ("finetune", ("evaluate", 5)),  # between tasks: 3 random-init probes, task 0, then task 1 before training
+        ("finetune", ("evaluate", 6)),  # between tasks: 3 random-init probes, task 0 (val, test), task 1 untrained
+        ("simplecil", ("evaluate", 6)),  # the same for a method without gradient steps (an observe phase)
         ("packnet", ("step", 13)),  # task 0's retrain phase
         ("hat", ("step", 11)),
         ("meat", ("step", 9)),

@@ -67,14 +67,15 @@ def hand_on(signum: int) -> None:
         handler(signum, None)
 
 
-def report(message: str) -> None:
-    """A user error: one paragraph on the terminal, and the same line in the run folder's log (not a second
-    time on the terminal through the log's console handler)."""
-    record = log.makeRecord(log.name, logging.ERROR, __file__, 0, "%s", (message,), None)
+def report(message: str, level: int = logging.ERROR) -> None:
+    """A user error (or warning): one paragraph on the terminal's stderr, and the same line in the run folder's log
+    (not a second time on the terminal through the log's console handler)."""
+    record = log.makeRecord(log.name, level, __file__, 0, "%s", (message,), None)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
-    print(f"\nclbench: {message}", file=sys.stderr)
+    prefix = "clbench: warning: " if level == logging.WARNING else "clbench: "
+    print(f"\n{prefix}{message}", file=sys.stderr)
 
 
 def check_sweep_objective(cfg: RunConfig, sweeper: str) -> None:
@@ -86,10 +87,10 @@ def check_sweep_objective(cfg: RunConfig, sweeper: str) -> None:
             "(the hparams_search presets set both)."
         )
     if cfg.objective is not None and not cfg.objective.startswith("validation."):
-        log.warning(
-            "objective=%s reads the TEST set (objective_on_test=true): a search that selects by it overstates the "
-            "result; report the selected setting on a split it was not chosen on.",
-            cfg.objective,
+        report(
+            f"objective={cfg.objective} reads the TEST set (objective_on_test=true): a search that selects by it "
+            "overstates the result; report the selected setting on data it was not chosen on.",
+            logging.WARNING,
         )
 
 

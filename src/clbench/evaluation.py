@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 from torchmetrics import Metric
-from torchmetrics.classification import MulticlassAccuracy, MulticlassConfusionMatrix
+from torchmetrics.classification import MulticlassConfusionMatrix, MulticlassStatScores
 
 from clbench.data import Benchmark, DeviceTransform
 from clbench.distributed import Ranks
@@ -33,18 +33,23 @@ class Evaluation:
     """One evaluation of some tasks, in percent. Lists run over the evaluated tasks in order; ``per_class`` over
     their classes in global label order."""
 
-    accuracy: dict[str, list[float]]
+    accuracy: dict[str, list[float | None]]
     top5: dict[str, list[float | None]]  # None where at most five classes compete
-    per_class: dict[str, list[float]]
+    per_class: dict[str, list[float | None]]
     task_confusion: list[list[float | None]] | None  # CIL; rows: evaluated tasks, columns: every seen task
 
 
-def accuracy_metric(num_classes: int, device: torch.device, **kwargs: object) -> Metric:
-    return MulticlassAccuracy(num_classes, validate_args=False, **kwargs).to(device)
+def hit_counter(num_classes: int, device: torch.device, **kwargs: object) -> Metric:
+    """Counts of hits (true positives) and misses (false negatives), micro or per class: accuracy is
+    ``tp / (tp + fn)``, as torchmetrics' MulticlassAccuracy computes it, but from the integer counts in float64."""
+    return MulticlassStatScores(num_classes, validate_args=False, **kwargs).to(device)
 
 
-def percent(metric: Metric) -> list[float]:
-    return [100.0 * v for v in metric.compute().reshape(-1).tolist()]
+def percent(counter: Metric) -> list[float | None]:
+    """Accuracy (%) from a :func:`hit_counter`; None for a class without samples."""
+    scores = counter.compute().reshape(-1, 5).double()  # tp, fp, tn, fn, support
+    tp, fn = scores[:, 0], scores[:, 3]
+    return [None if n == 0 else 100.0 * hit / n for hit, n in zip(tp.tolist(), (tp + fn).tolist(), strict=True)]
 
 
 @torch.no_grad()
@@ -80,9 +85,9 @@ def evaluate(
         for s in scenarios:
             top5 = widths[s] > 5 and not (s == "cil" and method.task_conditioned)
             counters[s] = {
-                "accuracy": accuracy_metric(widths[s], device, average="micro"),
-                "per_class": accuracy_metric(widths[s], device, average="none"),
-                **({"top5": accuracy_metric(widths[s], device, average="micro", top_k=5)} if top5 else {}),
+                "accuracy": hit_counter(widths[s], device, average="micro"),
+                "per_class": hit_counter(widths[s], device, average="none"),
+                **({"top5": hit_counter(widths[s], device, average="micro", top_k=5)} if top5 else {}),
             }
         for images, batch_labels in data.batches(batch_size, shuffle=False):
             part, weight = ranks.shard(len(batch_labels))

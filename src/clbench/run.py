@@ -237,6 +237,10 @@ def run_task(
         resumed = cursor is not None and p == start.phase
         if not resumed:
             method.before_phase(task, phase)
+        if phase.observe:
+            images += observe_pass(method, task, split, rt, stop)
+            method.train()
+            continue
         if phase.epochs == 0:
             continue
         optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
@@ -289,6 +293,27 @@ def run_task(
         if progress:
             progress.remove_task(bar)
     return step, images
+
+
+@torch.no_grad()
+def observe_pass(
+    method: Method, task: Task, split: Split, rt: Runtime, stop: Callable[[], int | None] | None = None
+) -> int:
+    """An ``observe`` phase: the task's training images once, in order, through the test transform (no augmentation)
+    and ``method.observe`` in eval mode, each rank its share of every batch; then the method's sums are added up over
+    the ranks. A stop signal ends it without a checkpoint: resuming repeats the pass from the task's start."""
+    method.eval()
+    for x_raw, y in split.batches(rt.cfg.trainer.batch_size, shuffle=False):
+        part, weight = rt.ranks.shard(len(y))
+        if weight:
+            with rt.autocast:
+                method.observe(rt.test_tf(x_raw, part), y[part], task)
+        signum = stop() if stop is not None else None
+        if signum is not None:
+            raise Preempted(f"stopped by {signal.Signals(signum).name} while observing task {task.id}", signum)
+    for total in method.observations():
+        rt.ranks.sum_(total)
+    return len(split)
 
 
 def where(task: Task, phase: Phase, epoch: int) -> str:

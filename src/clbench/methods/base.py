@@ -29,10 +29,13 @@ Logs = dict[str, torch.Tensor]
 
 @dataclass(frozen=True)
 class Phase:
-    """A stretch of training with its own optimizer and schedule (e.g. PackNet's train, then retrain)."""
+    """A stretch of training with its own optimizer and schedule (e.g. PackNet's train, then retrain). An
+    ``observe`` phase has no optimizer: one pass over the task's training data, without augmentation, hands every
+    batch to :meth:`Method.observe` (SimpleCIL's prototypes)."""
 
     name: str
     epochs: int
+    observe: bool = False
 
 
 class Method(nn.Module):
@@ -105,17 +108,29 @@ class Method(nn.Module):
     def after_task(self, task: Task) -> None:
         """Consolidate the task: prune, freeze, binarise masks."""
 
+    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> None:
+        """Take in a batch of an ``observe`` phase (no gradients; ``y`` holds global labels)."""
+        raise NotImplementedError
+
+    def observations(self) -> list[torch.Tensor]:
+        """The sums an ``observe`` phase accumulated; the loop adds them up over the ranks of a multi-process run."""
+        return []
+
     # ----------------------------------------------------------------------------- inference
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         """Pre-logit features (final-norm CLS token); ``task_id`` selects per-task state where there is any."""
         return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
 
+    def head_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
+        """Task ``task_id``'s head on features: logits over its classes."""
+        return self.heads[task_id](feats)
+
     def seen_logits(self, feats: torch.Tensor) -> torch.Tensor:
         """Logits over all seen classes: the concatenated per-task heads."""
-        return torch.cat([head(feats) for head in self.heads], dim=1)
+        return torch.cat([self.head_logits(feats, t) for t in range(self.num_seen)], dim=1)
 
     def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
-        return self.heads[task_id](self.features(x, task_id))
+        return self.head_logits(self.features(x, task_id), task_id)
 
     @torch.no_grad()
     def predict(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
@@ -139,7 +154,7 @@ class Method(nn.Module):
             both = {"til": per_task[task_id], "cil": self.lowest_entropy_task(per_task)}
         else:
             feats = self.features(x, None)
-            both = {"til": self.heads[task_id](feats), "cil": self.seen_logits(feats)}
+            both = {"til": self.head_logits(feats, task_id), "cil": self.seen_logits(feats)}
         return {s: both[s] for s in scenarios}
 
     @contextmanager
