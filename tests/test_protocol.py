@@ -158,3 +158,57 @@ def test_simplecil_prototypes_are_the_class_means_of_frozen_features() -> None:
     storage = method.storage()
     assert storage["trainable_params"] == 0
     assert storage["bits_per_task"] == [{"prototypes": 32 * 5 * method.backbone.num_features}] * 2
+
+
+def official_hat_schedule(losses: list[float], lr: float, patience: int, factor: float, lr_min: float):
+    """An independent transcription of HAT's epoch loop (joansj/hat, approaches/hat.py: train): the epoch whose
+    weights are kept, the learning rate after each epoch, and the epoch it stopped at."""
+    best_loss, best_epoch, wait, lrs = float("inf"), None, patience, []
+    for e, loss in enumerate(losses):
+        if loss < best_loss:
+            best_loss, best_epoch, wait = loss, e, patience
+        else:
+            wait -= 1
+            if wait <= 0:
+                lr /= factor
+                if lr < lr_min:
+                    lrs.append(lr)
+                    return best_epoch, lrs, e
+                wait = patience
+        lrs.append(lr)
+    return best_epoch, lrs, len(losses) - 1
+
+
+@pytest.mark.parametrize(
+    "losses",
+    [
+        [1.0, 0.9, 0.95, 0.96, 0.8, 0.85, 0.86, 0.87, 0.88, 0.89, 0.9, 0.91],
+        [2.0, 1.0, 0.5, 0.25],
+        [1.0] * 12,
+    ],
+)
+def test_the_plateau_schedule_follows_hats_official_loop(losses: list[float]) -> None:
+    from torch import nn
+
+    from clbench.plateau import Plateau
+
+    lr, min_lr = 0.05, 0.05 / 3**2 - 1e-9  # two divisions allowed, the third stops
+    best_epoch, lrs, stop = official_hat_schedule(losses, lr, patience=2, factor=3.0, lr_min=min_lr)
+    plateau, model = Plateau(patience=2, factor=3.0), nn.Linear(1, 1)
+    for e, loss in enumerate(losses):
+        nn.init.constant_(model.weight, e)  # the weights of epoch e
+        go_on = plateau.update(loss, model, lr, min_lr)
+        assert lr * plateau.scale == pytest.approx(lrs[e])
+        if not go_on:
+            break
+    assert e == stop
+    plateau.restore_best(model)
+    assert model.weight.item() == best_epoch
+
+
+def test_hat_with_the_plateau_schedule_runs_and_needs_a_validation_split(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"data\.val_fraction > 0"):
+        tiny_config("method=hat", "trainer.schedule=plateau")
+    cfg = tiny_config("method=hat", "trainer.schedule=plateau", "data.val_fraction=0.2", "trainer.epochs=4")
+    results = train(cfg, tmp_path)
+    assert results.status == "finished" and results.validation_rows is not None

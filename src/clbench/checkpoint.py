@@ -36,6 +36,7 @@ class Cursor:
     order: torch.Tensor | None = None  # the permutation of the epoch in progress (None: draw a new one)
     optimizer: dict[str, Any] | None = None
     schedule: dict[str, Any] | None = None
+    plateau: dict[str, Any] | None = None  # trainer.schedule=plateau: the schedule's state and best weights
 
 
 @dataclass

@@ -143,7 +143,9 @@ class TrainerConfig:
     optimizer: str = "adamw"  # adamw | adam | sgd
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
-    schedule: str = "cosine"  # cosine | constant, per phase, stepped per batch
+    schedule: str = "cosine"  # cosine | constant, per phase, stepped per batch | plateau (HAT's, on validation)
+    plateau_patience: int = 5  # plateau: epochs without a better validation loss before the lr is divided
+    plateau_factor: float = 3.0  # plateau: the divisor (HAT: 3); the phase stops once lr falls below min_lr
     warmup_epochs: float = 0.0  # linear warm-up at the start of each phase
     min_lr: float = 0.0  # floor of the cosine schedule
     grad_clip: float | None = None  # max global grad norm (null: off)
@@ -169,7 +171,9 @@ class TrainerConfig:
         require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd"))
         require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
-        require_choice("trainer.schedule", self.schedule, ("cosine", "constant"))
+        require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "plateau"))
+        require(self.plateau_patience >= 1, "trainer.plateau_patience", self.plateau_patience, "an integer >= 1")
+        require(self.plateau_factor > 1, "trainer.plateau_factor", self.plateau_factor, "a float > 1")
         require(self.warmup_epochs >= 0, "trainer.warmup_epochs", self.warmup_epochs, "a float >= 0")
         require(
             0 <= self.min_lr <= self.lr,
@@ -262,6 +266,12 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
     resume = cfg.get("resume", False)
     require(isinstance(resume, bool) or resume == "auto", "resume", resume, "true, false or auto")
+    require(
+        groups["trainer"].schedule != "plateau" or groups["data"].val_fraction > 0,
+        "trainer.schedule",
+        "plateau",
+        "plateau once data.val_fraction > 0 (e.g. 0.1): it reads the validation loss after every epoch",
+    )
     objective, on_test = cfg.get("objective"), cfg.get("objective_on_test", False)
     require(isinstance(on_test, bool), "objective_on_test", on_test, "true or false")
     if objective is not None:

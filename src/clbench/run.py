@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from hydra.utils import get_class
 from rich.progress import (
     BarColumn,
@@ -43,6 +44,7 @@ from clbench.evaluation import SCENARIOS, Evaluation, evaluate
 from clbench.files import check_writable
 from clbench.methods import Method
 from clbench.methods.base import Phase
+from clbench.plateau import Plateau
 from clbench.results import Results
 from clbench.tracking import WandbTracker, console, print_summary, write_run_files
 
@@ -133,7 +135,7 @@ def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:
     """Linear warm-up, then cosine decay to ``min_lr`` (or constant); a factor on each group's lr."""
     if step < warmup:
         return (step + 1) / warmup
-    if cfg.schedule == "constant" or total <= warmup:
+    if cfg.schedule != "cosine" or total <= warmup:
         return 1.0
     progress = (step - warmup) / (total - warmup)
     floor = cfg.min_lr / cfg.lr
@@ -247,10 +249,15 @@ def run_task(
         params = [q for g in optimizer.param_groups for q in g["params"]]
         model = rt.ranks.wrap(TaskLoss(method, task), rt.device) if rt.ranks.size > 1 else None
         total, warmup = phase.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s, t=total, w=warmup: lr_factor(s, t, w, cfg))
+        plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda s, t=total, w=warmup, p=plateau: lr_factor(s, t, w, cfg) * (p.scale if p else 1.0)
+        )
         if resumed and start.optimizer is not None and start.schedule is not None:
             optimizer.load_state_dict(start.optimizer)
             schedule.load_state_dict(start.schedule)
+        if resumed and plateau is not None and start.plateau is not None:
+            plateau = dataclasses.replace(plateau, **start.plateau)
         first_epoch = start.epoch if resumed else 0
         bar = (
             progress.add_task(f"task {task.id} {phase.name}", total=total, completed=first_epoch * per_epoch)
@@ -283,13 +290,25 @@ def run_task(
                 if progress:
                     progress.advance(bar)
                 if signum is not None and save is not None:
-                    save(Cursor(p, epoch, batch + 1, order, optimizer.state_dict(), schedule.state_dict()), step)
+                    state = (optimizer.state_dict(), schedule.state_dict(), plateau.state() if plateau else None)
+                    save(Cursor(p, epoch, batch + 1, order, *state), step)
                     name = signal.Signals(signum).name
                     raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
             if step % cfg.log_every:  # steps since the last log: checked at the epoch's end whatever the task length
                 check_finite(rt, running, step % cfg.log_every, f"{where(task, phase, epoch)} (its end), step {step}")
+            go_on = True
+            if plateau is not None:
+                loss = validation_loss(method, task, rt)
+                go_on = plateau.update(loss, method, cfg.lr, cfg.min_lr)
+                if tracker:
+                    tracker.log({"train/validation_loss": loss}, step)
             if save is not None and cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
-                save(Cursor(p, epoch + 1, 0, None, optimizer.state_dict(), schedule.state_dict()), step)
+                state = (optimizer.state_dict(), schedule.state_dict(), plateau.state() if plateau else None)
+                save(Cursor(p, epoch + 1, 0, None, *state), step)
+            if not go_on:
+                break
+        if plateau is not None:
+            plateau.restore_best(method)
         if progress:
             progress.remove_task(bar)
     return step, images
@@ -314,6 +333,22 @@ def observe_pass(
     for total in method.observations():
         rt.ranks.sum_(total)
     return len(split)
+
+
+@torch.no_grad()
+def validation_loss(method: Method, task: Task, rt: Runtime) -> float:
+    """Mean cross-entropy of ``task``'s validation images under its own head (TIL), the plateau schedule's signal."""
+    split = rt.benchmark.validation[task.id]
+    method.eval()
+    total = torch.zeros((), device=rt.device)
+    for x_raw, y in split.batches(rt.cfg.trainer.eval_batch_size, shuffle=False):
+        part, weight = rt.ranks.shard(len(y))
+        if weight:
+            with rt.autocast:
+                logits = method.predict(rt.test_tf(x_raw, part), task.id)
+            total += F.cross_entropy(logits.float(), y[part] - task.offset, reduction="sum")
+    method.train()
+    return rt.ranks.sum_(total).item() / len(split)
 
 
 def where(task: Task, phase: Phase, epoch: int) -> str:
@@ -396,6 +431,7 @@ def header(cfg: RunConfig) -> dict[str, Any]:
 def identity(cfg: RunConfig) -> dict[str, Any]:
     """What must not change when a run is resumed: method, data, backbone, seed and the optimisation recipe."""
     keep = ("epochs", "batch_size", "lr", "lr_scale_batch", "optimizer", "momentum", "weight_decay", "schedule")
+    keep += ("plateau_patience", "plateau_factor")
     trainer = as_dict(cfg.trainer)
     return {
         "method": cfg.method_target,
