@@ -66,6 +66,7 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
         "hat",
         "meat",
         "l2p",
+        "simplecil",
     }
     for text in (
         "== Config groups",

@@ -18,7 +18,6 @@ NOT_A_SETTING = (
     "objective",
     "objective_on_test",
     "logger",
-    "trainer.device",
     "trainer.log_every",
     "trainer.checkpoint_every",
     "trainer.eval_batch_size",
