@@ -9,6 +9,7 @@ A method's hyperparameters are validated against the ``Config`` dataclass that t
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -81,7 +82,12 @@ class DataConfig:
             )
         require(0 < self.test_fraction < 1, "data.test_fraction", self.test_fraction, "a float in (0, 1)")
         require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a float in [0, 1)")
-        require(self.val_seed >= 0, "data.val_seed", self.val_seed, "an integer >= 0")
+        for key in ("class_order_seed", "split_seed", "val_seed"):
+            value = getattr(self, key)
+            ok = value is None if key == "class_order_seed" and value is None else 0 <= value < 2**32
+            require(
+                ok, f"data.{key}", value, "an integer in [0, 2**32)" + (" or null" if key == "class_order_seed" else "")
+            )
         require(self.decode_workers >= 1, "data.decode_workers", self.decode_workers, "an integer >= 1")
         require(
             self.num_tasks is None or 1 <= self.num_tasks <= self.tasks,
@@ -91,8 +97,13 @@ class DataConfig:
         )
         require_choice("data.train_crop", self.train_crop, ("pad", "resized", "none"))
         require(self.crop_padding >= 0, "data.crop_padding", self.crop_padding, "an integer >= 0")
-        lo, hi = self.resized_crop_scale
-        require(0 < lo <= hi <= 1, "data.resized_crop_scale", list(self.resized_crop_scale), "0 < lo <= hi <= 1")
+        scale = list(self.resized_crop_scale)
+        require(
+            len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1,
+            "data.resized_crop_scale",
+            scale,
+            "[lo, hi], 0 < lo <= hi <= 1",
+        )
         for key in ("synthetic_classes", "synthetic_train_per_class", "synthetic_test_per_class"):
             require(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), "an integer >= 1")
         require(self.synthetic_image_size >= 4, "data.synthetic_image_size", self.synthetic_image_size, ">= 4")
@@ -231,10 +242,22 @@ def register_schemas() -> None:
         store.store(group="schema", name=group, node=schema)
 
 
+def refuse_unknown(keys: Any, allowed: list[str], where: str) -> None:
+    """Refuse keys that are not in ``allowed`` (a typo added with ``+``, say), suggesting the closest allowed key."""
+    unknown = sorted(str(k) for k in set(keys) - set(allowed))
+    if unknown:
+        hints = [
+            f"`{k}` (did you mean `{m[0]}`?)" if (m := difflib.get_close_matches(k, allowed, 1)) else f"`{k}`"
+            for k in unknown
+        ]
+        raise ConfigError(f"Unknown key(s) in {where}: {', '.join(hints)}. Allowed: {', '.join(sorted(allowed))}.")
+
+
 def _typed(schema: type, node: Any, key: str) -> Any:
     """Merge ``node`` into ``schema`` and build the dataclass (running its checks)."""
     if not isinstance(node, DictConfig):
         raise ConfigError(f"`{key}` is missing or not a mapping; pick one with `{key}=<name>`.")
+    refuse_unknown(node.keys(), [f.name for f in dataclasses.fields(schema)], f"`{key}`")
     try:
         merged = OmegaConf.merge(OmegaConf.structured(schema), node)
         return OmegaConf.to_object(merged)
@@ -248,9 +271,7 @@ def _typed(schema: type, node: Any, key: str) -> Any:
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
     allowed = {*_GROUPS, "method", "seed", "resume", "objective", "objective_on_test"}
-    unknown = sorted(set(cfg.keys()) - allowed)
-    if unknown:
-        raise ConfigError(f"Unknown top-level key(s) {unknown}. Allowed: {sorted(allowed)}.")
+    refuse_unknown(cfg.keys(), sorted(allowed), "the top level")
     groups = {key: _typed(schema, cfg.get(key), key) for key, schema in _GROUPS.items()}
     method_node = cfg.get("method")
     if not isinstance(method_node, DictConfig) or "_target_" not in method_node:
@@ -263,7 +284,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     params = OmegaConf.masked_copy(method_node, [k for k in method_node if k != "_target_"])
     method = _typed(method_cls.Config, params, "method")
     seed = cfg.get("seed", 0)
-    require(isinstance(seed, int) and seed >= 0, "seed", seed, "an integer >= 0")
+    require(isinstance(seed, int) and 0 <= seed < 2**32, "seed", seed, "an integer in [0, 2**32) (NumPy's seed range)")
     resume = cfg.get("resume", False)
     require(isinstance(resume, bool) or resume == "auto", "resume", resume, "true, false or auto")
     require(

@@ -14,17 +14,19 @@ which computes the loaded ViT's attention exactly until its refinement is traine
 from __future__ import annotations
 
 import hashlib
+import logging
 from pathlib import Path
 
 import timm
 import torch
-from timm.models import is_model_in_modules
-from timm.models.vision_transformer import VisionTransformer
+from timm.models import is_model_in_modules, load_state_dict
+from timm.models.vision_transformer import VisionTransformer, checkpoint_filter_fn
 
 from clbench.backbones.refiner import add_refiner
 from clbench.config import BackboneConfig
 from clbench.errors import ConfigError, WeightsError
 
+log = logging.getLogger(__name__)
 VIT_MODULES = ("vision_transformer", "deit")  # the timm modules whose models are VisionTransformers
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 SHIPPED_WEIGHTS = {"glyphs": "vit_micro.glyphs.safetensors"}  # tag -> file in clbench/weights (`make weights`)
@@ -96,6 +98,8 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
                 f"Could not load backbone weights from {path} into {name} ({type(err).__name__}: {err}). "
                 "Check that the file is complete and holds weights for this architecture."
             ) from None
+        if path.suffix != ".npz":  # timm's .npz reader looks every weight up by name: it cannot skip one
+            check_keys(model, path)
     elif cfg.pretrained:
         try:
             model = timm.create_model(name, pretrained=True, **kwargs)
@@ -106,10 +110,49 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
                 "download them once on a machine with network, or pass a local file with backbone.weights=PATH."
             ) from None
     else:
-        model = timm.create_model(name, pretrained=False, **kwargs)
+        try:
+            model = timm.create_model(name, pretrained=False, **kwargs)
+        except (AssertionError, ValueError, TypeError, RuntimeError) as err:
+            raise ConfigError(
+                f"Invalid value for `backbone.kwargs`: {dict(cfg.kwargs)} do not build a {cfg.model} "
+                f"({type(err).__name__}: {err or 'a timm assertion failed'}). Allowed: an embed_dim divisible by "
+                "num_heads, and keyword arguments timm's VisionTransformer takes."
+            ) from None
+    patch = model.patch_embed.patch_size[0]
+    if cfg.img_size % patch:
+        raise ConfigError(
+            f"Invalid value for `backbone.img_size`: {cfg.img_size}. Allowed: a multiple of the patch size {patch} "
+            f"(the last {cfg.img_size % patch} pixels would be cut off silently)."
+        )
     if cfg.refiner:
         add_refiner(model, cfg.refiner_expand, cfg.refiner_kernel)
     return model
+
+
+def check_keys(model: VisionTransformer, path: Path) -> None:
+    """Strict loading: timm loads a headless model with ``strict=False`` (it drops the classifier), so a file whose
+    keys belong to another network would leave the ViT random without an error. The file's state dict, adapted as
+    timm adapts it (:func:`checkpoint_filter_fn`: position embeddings resampled, layouts converted), must hold every
+    weight of the model and nothing else but a classifier; timm's adaptations are logged."""
+    state = checkpoint_filter_fn(load_state_dict(str(path)), model)
+    expected = set(model.state_dict())
+    head = {k for k in state if k.split(".")[0] in ("head", "fc", "classifier", "head_dist")}
+    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected - head)
+    if missing or unexpected:
+        listed = [f"missing {len(missing)}: {', '.join(missing[:8])}" if missing else ""]
+        listed += [f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}" if unexpected else ""]
+        raise WeightsError(
+            f"The backbone weights file {path} does not fit {model.default_cfg.get('architecture', 'the model')} "
+            f"({'; '.join(x for x in listed if x)}). Check backbone.model and backbone.kwargs against the file, or "
+            "pass the file written for this architecture."
+        )
+    if head:
+        log.info("%s: classifier %s dropped (clbench adds its own heads)", path, ", ".join(sorted(head)))
+    raw = load_state_dict(str(path)).get("pos_embed")
+    if raw is not None and raw.shape != model.pos_embed.shape:
+        log.info(
+            "%s: position embeddings resampled from %s to %s", path, tuple(raw.shape), tuple(model.pos_embed.shape)
+        )
 
 
 def input_stats(model: VisionTransformer, cfg: BackboneConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:

@@ -13,10 +13,12 @@ A ``sequence`` benchmark loads several of these by name (a name that is none of 
 
 from __future__ import annotations
 
+import codecs
+import importlib
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -99,16 +101,131 @@ def load_synthetic_source(cfg: DataConfig) -> SourceData:
     return SourceData(train_x, train_y, test_x, test_y, [f"class_{i}" for i in range(n_cls)])
 
 
-def _read_pickle(path: Path) -> dict:
-    with path.open("rb") as f:
-        return pickle.load(f, encoding="latin1")
+def _pickle_globals() -> dict[tuple[str, str], Any]:
+    """The only globals a CIFAR pickle may name: what rebuilds numpy arrays, dtypes and scalars (under numpy 1.x's
+    ``numpy.core`` and 2.x's ``numpy._core`` names, whichever wrote the file) and bytes as Python 3 pickles them."""
+    core = "numpy._core" if np.lib.NumpyVersion(np.__version__) >= "2.0.0" else "numpy.core"
+    multiarray = importlib.import_module(f"{core}.multiarray")
+    numeric = importlib.import_module(f"{core}.numeric")
+    allowed: dict[tuple[str, str], Any] = {
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): codecs.encode,  # bytes in protocol 0-2 pickles written by Python 3
+        ("__builtin__", "bytes"): bytes,  # empty bytes in those
+        ("builtins", "bytes"): bytes,
+    }
+    for prefix in ("numpy.core", "numpy._core"):
+        allowed[(f"{prefix}.multiarray", "_reconstruct")] = multiarray._reconstruct
+        allowed[(f"{prefix}.multiarray", "scalar")] = multiarray.scalar
+        allowed[(f"{prefix}.numeric", "_frombuffer")] = numeric._frombuffer  # arrays in protocol 5 pickles
+    return allowed
 
 
-def _cifar_arrays(files: list[Path], label_key: str) -> tuple[torch.Tensor, torch.Tensor]:
-    batches = [_read_pickle(f) for f in files]
-    x = np.concatenate([b["data"] for b in batches]).reshape(-1, 3, 32, 32)
-    y = np.concatenate([np.asarray(b[label_key]) for b in batches])
-    return torch.from_numpy(np.ascontiguousarray(x, dtype=np.uint8)), torch.from_numpy(y).long()
+_PICKLE_GLOBALS = _pickle_globals()
+
+
+def _damaged(path: Path, problem: str) -> DataError:
+    """The error for a CIFAR file that cannot be used: the file, what is wrong with it and how to replace it."""
+    return DataError(
+        f"The CIFAR file {path} {problem}. Replace it with the official file: extract the official archive again "
+        f"into {path.parent.parent}, or delete {path.parent} and run with data.download=true (needs network); "
+        "data.verify_checksums=true (the default) refuses a damaged copy before reading it."
+    )
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Rebuilds only dicts, lists, strings, bytes, numbers and numpy arrays; any other global is refused, so that a
+    pickle cannot run code while it is read."""
+
+    def __init__(self, path: Path, file: BinaryIO) -> None:
+        super().__init__(file, encoding="latin1")  # latin1: the official files are Python 2 pickles
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _PICKLE_GLOBALS:
+            raise _damaged(
+                self.path,
+                f"names the global {module}.{name}, which clbench refuses to load: CIFAR pickles hold only arrays, "
+                "lists, strings and numbers",
+            )
+        return _PICKLE_GLOBALS[(module, name)]
+
+
+def _text(value: str | bytes) -> str:
+    """Bytes as the latin1 text that Python 2 strings become with ``encoding="latin1"``; text unchanged."""
+    return value.decode("latin1") if isinstance(value, bytes) else value
+
+
+def _read_pickle(path: Path) -> dict[Any, Any]:
+    """A CIFAR pickle's dict, read with :class:`_CifarUnpickler`; bytes keys (``b"data"``) become text."""
+    try:
+        with path.open("rb") as f:
+            obj = _CifarUnpickler(path, f).load()
+    except DataError:
+        raise
+    except Exception as err:  # a truncated file or one that is no pickle fails with many kinds of errors
+        raise _damaged(
+            path, f"is not a readable pickle ({type(err).__name__}: {err}): it is truncated or damaged"
+        ) from None
+    if not isinstance(obj, dict):
+        raise _damaged(path, f"holds a {type(obj).__name__}, not the dict of a CIFAR file")
+    return {_text(k) if isinstance(k, str | bytes) else k: v for k, v in obj.items()}
+
+
+def _entry(path: Path, contents: dict[Any, Any], key: str) -> Any:
+    """``contents[key]``, or an error naming the keys the file has."""
+    if key not in contents:
+        raise _damaged(path, f"has no {key!r} entry (its keys: {', '.join(map(repr, contents)) or 'none'})")
+    return contents[key]
+
+
+def _as_array(path: Path, contents: dict[Any, Any], key: str) -> np.ndarray:
+    """``contents[key]`` as a numpy array."""
+    try:
+        return np.asarray(_entry(path, contents, key))
+    except ValueError:  # ragged nested lists
+        raise _damaged(path, f"has a {key!r} entry that is not a rectangular array") from None
+
+
+def _cifar_batch(path: Path, label_key: str, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """One CIFAR file's images (N, 3072) uint8 and labels (N,), checked for shape, count and range."""
+    contents = _read_pickle(path)
+    data, labels = _as_array(path, contents, "data"), _as_array(path, contents, label_key)
+    if data.ndim >= 1 and len(data) == 0:
+        raise _damaged(path, "holds no images")
+    if data.shape[1:] != (3 * 32 * 32,):
+        raise _damaged(path, f"has 'data' of shape {data.shape}, not one row of 3072 = 3x32x32 pixels per image")
+    if data.dtype != np.uint8 and data.dtype.kind not in "iu":
+        raise _damaged(path, f"has 'data' of dtype {data.dtype}, not integer pixel values 0..255")
+    if data.dtype != np.uint8 and (data.min() < 0 or data.max() > 255):
+        raise _damaged(path, f"has pixel values {data.min()}..{data.max()} in 'data', outside 0..255")
+    if labels.ndim != 1:
+        raise _damaged(path, f"has a {label_key!r} entry of shape {labels.shape}, not a list of labels")
+    if len(labels) != len(data):
+        raise _damaged(path, f"has {len(labels)} labels in {label_key!r} for {len(data)} images")
+    if labels.dtype.kind not in "iu":
+        raise _damaged(path, f"has labels of dtype {labels.dtype} in {label_key!r}, not integers")
+    bad = labels[(labels < 0) | (labels >= num_classes)]
+    if bad.size:
+        raise _damaged(path, f"has label {bad[0]} in {label_key!r}, outside 0..{num_classes - 1}")
+    return data.astype(np.uint8, copy=False), labels
+
+
+def _cifar_arrays(files: list[Path], label_key: str, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    batches = [_cifar_batch(f, label_key, num_classes) for f in files]
+    x = np.concatenate([data for data, _ in batches]).reshape(-1, 3, 32, 32)
+    y = np.concatenate([labels for _, labels in batches])
+    return torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y).long()
+
+
+def _class_names(path: Path, key: str, num_classes: int) -> list[str]:
+    """The class names in a CIFAR meta file, checked to be ``num_classes`` strings."""
+    names = _entry(path, _read_pickle(path), key)
+    if not isinstance(names, list | tuple) or not all(isinstance(n, str | bytes) for n in names):
+        raise _damaged(path, f"has a {key!r} entry that is not a list of class names")
+    if len(names) != num_classes:
+        raise _damaged(path, f"lists {len(names)} class names in {key!r}, not {num_classes}")
+    return [_text(n) for n in names]
 
 
 def load_cifar_source(cfg: DataConfig, name: str) -> SourceData:
@@ -141,11 +258,11 @@ def load_cifar_source(cfg: DataConfig, name: str) -> SourceData:
             f"{', '.join(n for n, _ in files)}, and point data.root at it"
             + ("; data.verify_checksums=false accepts a copy you made yourself." if cfg.verify_checksums else ".")
         )
-    label_key = "fine_labels" if name == "cifar100" else "labels"
-    train_x, train_y = _cifar_arrays([folder / n for n, _ in spec.train_list], label_key)
-    test_x, test_y = _cifar_arrays([folder / n for n, _ in spec.test_list], label_key)
-    meta = _read_pickle(folder / spec.meta["filename"])
-    return SourceData(train_x, train_y, test_x, test_y, list(meta[spec.meta["key"]]))
+    label_key, num_classes = ("fine_labels", 100) if name == "cifar100" else ("labels", 10)
+    train_x, train_y = _cifar_arrays([folder / n for n, _ in spec.train_list], label_key, num_classes)
+    test_x, test_y = _cifar_arrays([folder / n for n, _ in spec.test_list], label_key, num_classes)
+    class_names = _class_names(folder / spec.meta["filename"], spec.meta["key"], num_classes)
+    return SourceData(train_x, train_y, test_x, test_y, class_names)
 
 
 def load_mnist_source(name: str, cfg: DataConfig) -> SourceData:

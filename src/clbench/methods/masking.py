@@ -106,7 +106,10 @@ class MaskedConv2d(MaskedLayer, nn.Conv2d):
 
 def wrap_layers(model: nn.Module, targets: tuple[str, ...] = DEFAULT_TARGETS) -> dict[str, MaskedLayer]:
     """Replace every Linear (or Conv2d: ``patch_embed.proj``) whose qualified name ends in one of ``targets``
-    by its masked version; returns them by name."""
+    by its masked version; returns them by name. Raises ValueError for an empty ``targets`` (nothing to mask: the
+    method would train only its heads) or a target no layer matches."""
+    if not targets:
+        raise ValueError("an empty list masks nothing")
     wrapped: dict[str, MaskedLayer] = {}
     for name, module in list(model.named_modules()):
         if isinstance(module, MaskedLayer) or not name.endswith(targets):
