@@ -176,6 +176,7 @@ def test_resume_refuses_another_run_and_a_corrupt_checkpoint(tmp_path: Path) -> 
     assert path.read_bytes() == before  # nothing overwritten
     with pytest.raises(DataError, match=r"does not exist"):
         train(tiny_config(*CHECKPOINTED, "resume=true"), tmp_path / "empty")
+    assert not (tmp_path / "empty").exists()  # resume=true on a missing folder does not create it
 
 
 def test_the_checkpoint_loads_with_weights_only() -> None:

@@ -21,6 +21,10 @@ class Diverged(ClbenchError, FloatingPointError):  # noqa: N818 (reads as what h
     """The training loss became NaN or Inf; the message names task, phase, epoch and step."""
 
 
+class Interrupted(ClbenchError):  # noqa: N818 (reads as what happened to the run)
+    """SIGINT or SIGTERM outside the training loop (which checkpoints and stops cleanly on its own)."""
+
+
 class Preempted(Exception):  # noqa: N818 (not an error: the run stopped on request and can resume)
     """A stop signal arrived (``signum``); a checkpoint of the last finished step was written."""
 

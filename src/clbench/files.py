@@ -1,30 +1,93 @@
-"""The run folder's file operations: atomic writes and the up-front check that a folder can be written.
+"""The run folder's file operations: atomic writes, the up-front check that a folder can be written, and the lock
+that keeps a second run out of it.
 
 Free of torch, so the CLI can refuse a bad output folder before anything heavy is imported.
 """
 
 from __future__ import annotations
 
+import atexit
+import errno
 import os
 import tempfile
 from pathlib import Path
 
-from clbench.errors import ConfigError
+from filelock import FileLock, Timeout
+
+from clbench.errors import ConfigError, DataError
+
+LOCK_FILE, PID_FILE = ".clbench.lock", ".clbench.pid"
+_HELD: dict[Path, FileLock] = {}  # the run folders this process holds
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+FILE_MODE = 0o666 & ~_umask()  # what open() would give: lab-mates on a shared filesystem can read the results
 
 
 def write_atomic(path: Path, data: bytes | str) -> None:
-    """Write via a temporary file in the same folder and rename, so readers never see a partial file."""
+    """Write via a temporary file in the same folder and rename, so readers never see a partial file; the file gets
+    the user's umask (``mkstemp`` alone makes it 0600). A full disk is a :class:`DataError` naming the file, and the
+    previous version of the file stays as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(
+                f"No space left to write {path} ({err.strerror}); its previous version is unchanged. Free space or "
+                "move the run (hydra.run.dir=PATH), then continue with resume=true."
+            ) from None
+        raise
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temporaries(folder: Path) -> None:
+    """Delete the temporary files of writes a killed run left behind (``.<name>.*.tmp``); call with the lock held."""
+    for tmp in folder.glob(".*.tmp"):
+        tmp.unlink(missing_ok=True)
+
+
+def lock_run_folder(folder: Path) -> bool:
+    """Hold ``folder`` for this process (an OS file lock through filelock, released when the process ends, so a killed
+    run's folder can be resumed at once). A folder another process holds is refused, naming its PID. Returns False
+    when this process already held it."""
+    key = folder.resolve()
+    if key in _HELD:
+        return False
+    lock = FileLock(key / LOCK_FILE)
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        pid = (key / PID_FILE).read_text().strip() if (key / PID_FILE).is_file() else "unknown"
+        raise ConfigError(
+            f"The run folder {folder} is in use by another clbench run (PID {pid}). Wait for it to end, or choose "
+            "another folder with hydra.run.dir=PATH."
+        ) from None
+    write_atomic(key / PID_FILE, f"{os.getpid()}\n")
+    _HELD[key] = lock
+    atexit.register(unlock_run_folder, key)
+    return True
+
+
+def unlock_run_folder(folder: Path) -> None:
+    lock = _HELD.pop(folder.resolve(), None)
+    if lock is not None:
+        (folder / PID_FILE).unlink(missing_ok=True)
+        lock.release()
 
 
 def check_writable(folder: Path) -> None:

@@ -54,17 +54,35 @@ def reevaluate(run_dir: Path, device: str | None = None) -> dict[str, list[float
     return rt.evaluate(method, list(range(method.num_seen))).accuracy
 
 
-def comparison_table(recomputed: dict[str, list[float]], saved: dict[str, list[list[float | None]]]) -> Table:
-    table = Table(title="Accuracy (%) after the last saved task: saved vs. re-evaluated", title_justify="left")
+def saved_row(run_dir: Path, stage: int) -> dict[str, list[float | None]] | None:
+    """results.json's accuracies after training task ``stage`` (the stage the artifacts hold), or None where the
+    file has no such row (a run stopped between writing the artifacts and results.json)."""
+    path = run_dir / "results.json"
+    if not path.is_file():
+        return None
+    try:
+        matrices = json.loads(path.read_text())["acc_matrix"]
+        rows = {s: matrices[s] for s in SCENARIOS}
+    except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
+        raise DataError(f"{path} is corrupt ({type(err).__name__}: {err}); nothing to compare with.") from None
+    if any(len(rows[s]) <= stage for s in SCENARIOS):
+        return None
+    return {s: rows[s][stage] for s in SCENARIOS}
+
+
+def comparison_table(recomputed: dict[str, list[float]], saved: dict[str, list[float | None]] | None) -> Table:
+    stage = len(recomputed["til"]) - 1
+    table = Table(
+        title=f"Accuracy (%) after task {stage} (the last saved): results.json vs. re-evaluated", title_justify="left"
+    )
     table.add_column("task", justify="right")
     for s in SCENARIOS:
         table.add_column(f"{s.upper()} saved", justify="right")
         table.add_column(f"{s.upper()} now", justify="right")
-    last = {s: saved[s][-1] if saved.get(s) else [] for s in SCENARIOS}
-    for j in range(len(recomputed["til"])):
+    for j in range(stage + 1):
         cells = []
         for s in SCENARIOS:
-            old = last[s][j] if j < len(last[s]) else None
+            old = saved[s][j] if saved else None
             cells += ["-" if old is None else f"{old:.2f}", f"{recomputed[s][j]:.2f}"]
         table.add_row(str(j), *cells)
     return table
@@ -84,14 +102,19 @@ def main(argv: list[str] | None = None) -> None:
 
     try:
         recomputed = reevaluate(args.run_dir, args.device)
+        stage = len(recomputed["til"]) - 1
+        saved = saved_row(args.run_dir, stage)
     except ClbenchError as err:
         print(f"clbench-eval: {err}", file=sys.stderr)
         sys.exit(2)
     if args.json:
         print(json.dumps(recomputed))
         return
-    results = args.run_dir / "results.json"
-    saved = json.loads(results.read_text())["acc_matrix"] if results.is_file() else {}
+    if saved is None:
+        console.print(
+            f"[yellow]results.json has no row after task {stage}, the stage method_artifacts.safetensors holds (the "
+            "run stopped between writing the two): only the re-evaluated accuracies are shown.[/yellow]"
+        )
     console.print(comparison_table(recomputed, saved))
 
 

@@ -36,17 +36,18 @@ from torch import nn
 from clbench import __version__, checkpoint, distributed
 from clbench.backbones import build_backbone, input_stats, sha256, weights_file
 from clbench.checkpoint import Cursor, Position
+from clbench.comparable import flatten
 from clbench.config import RunConfig, TrainerConfig, as_dict, full_config
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
 from clbench.distributed import Ranks
 from clbench.errors import ConfigError, Diverged, Preempted
 from clbench.evaluation import SCENARIOS, Evaluation, evaluate
-from clbench.files import check_writable
+from clbench.files import check_writable, lock_run_folder, remove_stale_temporaries, unlock_run_folder
 from clbench.methods import Method
 from clbench.methods.base import Phase
 from clbench.plateau import Plateau
 from clbench.results import Results
-from clbench.tracking import WandbTracker, console, print_summary, write_run_files
+from clbench.tracking import WandbTracker, console, print_summary, say, write_run_files
 
 
 def seed_everything(seed: int) -> None:
@@ -268,12 +269,18 @@ def run_task(
         for epoch in range(first_epoch, phase.epochs):
             here = resumed and epoch == start.epoch
             order = start.order if here and start.order is not None else split.permutation()
-            for batch in range(start.batch if here else 0, per_epoch):
+            first_batch, epoch_loss, started = (
+                start.batch if here else 0,
+                torch.zeros((), device=rt.device),
+                time.time(),
+            )
+            for batch in range(first_batch, per_epoch):
                 x_raw, y = split.batch(order, batch, cfg.batch_size)
                 method.before_step(task, batch, per_epoch)
                 loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params, model=model)
                 schedule.step()
                 running += loss
+                epoch_loss += loss
                 step += 1
                 images += len(y)
                 signum = stop() if stop is not None else None
@@ -294,8 +301,15 @@ def run_task(
                     save(Cursor(p, epoch, batch + 1, order, *state), step)
                     name = signal.Signals(signum).name
                     raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
-            if step % cfg.log_every:  # steps since the last log: checked at the epoch's end whatever the task length
-                check_finite(rt, running, step % cfg.log_every, f"{where(task, phase, epoch)} (its end), step {step}")
+            batches = per_epoch - first_batch  # 0 where a checkpoint was written after the epoch's last batch
+            if batches:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
+                where_ = f"{where(task, phase, epoch)} (its end), step {step}"
+                values = {
+                    "epoch_loss": check_finite(rt, epoch_loss, batches, where_),
+                    "lr": schedule.get_last_lr()[0],
+                    "images_per_s": min(batches * cfg.batch_size, len(split)) / max(time.time() - started, 1e-9),
+                }
+                log_epoch(f"task {task.id} {phase.name} epoch {epoch + 1}/{phase.epochs}", values, rt, tracker, step)
             go_on = True
             if plateau is not None:
                 loss = validation_loss(method, task, rt)
@@ -312,6 +326,17 @@ def run_task(
         if progress:
             progress.remove_task(bar)
     return step, images
+
+
+def log_epoch(label: str, values: dict[str, float], rt: Runtime, tracker: WandbTracker | None, step: int) -> None:
+    """An epoch's line (loss, lr, images/s): to W&B and clbench.log always, and to the terminal where no progress bar
+    shows (a SLURM log, a pipe)."""
+    if tracker:
+        tracker.log({f"train/{k}": v for k, v in values.items()}, step)
+    say(
+        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {values['images_per_s']:.0f} images/s",
+        terminal=rt.ranks.is_main and not console.is_terminal,
+    )
 
 
 @torch.no_grad()
@@ -461,13 +486,15 @@ def restore(
 ) -> tuple[Position, str | None]:
     """Bring ``method`` and ``results`` to the state of ``run_dir``'s checkpoint; refuse another run's."""
     position, state = checkpoint.load(run_dir)
-    saved, now = state["identity"], identity(cfg)
-    changed = sorted(k for k in now if saved.get(k) != now[k])
+    saved, now = flatten(state["identity"]), flatten(identity(cfg))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
     if changed:
+        differ = "; ".join(
+            f"{k}: checkpoint {saved.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}" for k in changed
+        )
         raise ConfigError(
-            f"Cannot resume {run_dir}: its checkpoint is for another run ({', '.join(changed)} differ: "
-            f"checkpoint {', '.join(f'{k}={saved.get(k)!r}' for k in changed)}). Resume with the run's own settings, "
-            "or start a new run in another folder."
+            f"Cannot resume {run_dir}: its checkpoint is for another run ({differ}). Resume with the run's own "
+            "settings, or start a new run in another folder. The folder is left as it was."
         )
     replay(method, rt.benchmark.tasks, position, cfg.trainer.epochs)
     method.load_state_dict(state["method"])
@@ -488,7 +515,21 @@ def train(
     evaluates its share; only rank 0 writes the folder, the checkpoints and W&B."""
     main = distributed.current().is_main
     if main:
+        if cfg.resume is True:
+            checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before the folder is touched
         check_writable(run_dir)
+    acquired = main and lock_run_folder(run_dir)
+    try:
+        if main:
+            remove_stale_temporaries(run_dir)
+        return train_in_folder(cfg, run_dir, name, main)
+    finally:
+        if acquired:
+            unlock_run_folder(run_dir)
+
+
+def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool) -> Results:
+    """:func:`train` once the run folder is held."""
     resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
     if resuming:
         checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before anything is built
@@ -503,6 +544,12 @@ def train(
     }
     if benchmark.splits:
         results.header["data_splits"] = benchmark.splits
+    if main and not method.changes_backbone and loaded is None and not cfg.backbone.pretrained:
+        say(
+            f"[yellow]warning: {results.header['method']} keeps the backbone frozen, and {cfg.backbone.name} has no "
+            "pretrained weights (backbone.pretrained=false, no backbone.weights): it learns over random features, so "
+            "expect numbers near chance.[/yellow]"
+        )
     position, wandb_id = restore(cfg, run_dir, method, rt, results) if resuming else (Position(0, 0), None)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
     tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
@@ -576,7 +623,7 @@ def train(
                     continue
                 tracker.log_stage(results, run_dir, step)
                 row = results.rows
-                console.print(
+                say(
                     f"task {task.id}: TIL {row['til'][-1][task.id]:.1f}% / CIL {row['cil'][-1][task.id]:.1f}% on it; "
                     f"mean over seen tasks TIL {np.mean(row['til'][-1][: task.id + 1]):.1f}% "
                     f"CIL {np.mean(row['cil'][-1][: task.id + 1]):.1f}%  ({train_s:.1f}s train, {eval_s:.1f}s eval)"

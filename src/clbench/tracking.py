@@ -176,10 +176,21 @@ def summary_tables(results: Results) -> list[Table]:
     return tables
 
 
+def say(*objects: Any, terminal: bool = True) -> None:
+    """Print to the terminal (stderr; unless ``terminal`` is false) and append the same text, without colour, to the
+    run's log file (Hydra's clbench.log), so the log holds everything a run printed."""
+    if terminal:
+        console.print(*objects)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler.stream is not None:
+            Console(file=handler.stream, width=120, color_system=None, force_terminal=False).print(*objects)
+            handler.flush()
+
+
 def print_summary(results: Results, run_dir: Path) -> None:
     for table in summary_tables(results):
-        console.print(table)
-    console.print(
+        say(table)
+    say(
         f"[bold]Run folder:[/bold] {run_dir}  (results.json, CSVs, heatmap_til.png, heatmap_cil.png, "
         "task_confusion_cil.png)"
     )
@@ -226,7 +237,7 @@ class WandbTracker:
         except Exception as err:  # no network, no API key, server down: the run must not be lost to logging
             if cfg.mode != "online":
                 raise
-            console.print(
+            say(
                 f"[yellow]W&B online logging unavailable ({type(err).__name__}: {str(err).splitlines()[0][:200]}); "
                 f"logging offline into {run_dir / 'wandb'} instead (upload later with `wandb sync`).[/yellow]"
             )

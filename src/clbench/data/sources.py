@@ -112,7 +112,6 @@ def _pickle_globals() -> dict[tuple[str, str], Any]:
         ("numpy", "dtype"): np.dtype,
         ("_codecs", "encode"): codecs.encode,  # bytes in protocol 0-2 pickles written by Python 3
         ("__builtin__", "bytes"): bytes,  # empty bytes in those
-        ("builtins", "bytes"): bytes,
     }
     for prefix in ("numpy.core", "numpy._core"):
         allowed[(f"{prefix}.multiarray", "_reconstruct")] = multiarray._reconstruct
