@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -13,11 +14,20 @@ from typing import ClassVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from clbench.config import RunConfig, register_schemas, validate
+from clbench.config import (
+    BackboneConfig,
+    DataConfig,
+    LoggerConfig,
+    RunConfig,
+    TrainerConfig,
+    register_schemas,
+    validate,
+)
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import check_writable, lock_run_folder, write_atomic
 
@@ -193,7 +203,27 @@ def main() -> None:
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra.run.dir=."]
     for sig in (signal.SIGINT, signal.SIGTERM):  # the training loop installs its own handlers while it runs
         signal.signal(sig, interrupted)
-    app()
+    try:
+        app()
+    except SystemExit as err:  # Hydra reports a bad override or config (printed already) with exit code 1
+        if err.code == 1 and isinstance(err.__context__, HydraException):
+            hint = did_you_mean(err.__context__)
+            print(f"clbench: {hint}" if hint else "", file=sys.stderr)
+            sys.exit(2)  # a user error, as every other one
+        raise
+
+
+def did_you_mean(error: HydraException) -> str | None:
+    """For a key a group's schema does not have (``trainer.fooo=1``), the closest key it has."""
+    full_key = str(getattr(error.__cause__, "full_key", "") or "")
+    group, _, key = full_key.rpartition(".")
+    schema = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}.get(
+        group
+    )
+    if schema is None or not key:
+        return None
+    match = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], 1)
+    return f"did you mean `{group}.{match[0]}`?" if match else None
 
 
 if __name__ == "__main__":

@@ -1,0 +1,247 @@
+"""Fault injection: every bad input and fault ends in one paragraph naming the key, value or file and the fix, exit 2,
+no traceback, and nothing already written lost or changed. (Malformed CIFAR files: tests/test_cifar_faults.py; a NaN
+loss: tests/test_run.py and tests/test_cli.py; SIGKILL and SIGTERM mid-run: tests/test_resume.py.)"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from clbench import files
+from clbench import run as run_module
+from clbench.errors import ClbenchError, DataError, Interrupted
+from clbench.run import Runtime, build_runtime, train
+from conftest import TINY, clbench, run_command, tiny_config
+from test_resume import CHECKPOINTED, matrices
+
+TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    """Every file of a run folder but its log (which gains the refusal's line), by relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.suffix != ".log"}
+
+
+def refused(out: subprocess.CompletedProcess, *needles: str) -> None:
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    for needle in needles:
+        assert needle in out.stderr, out.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------- the command line
+@pytest.mark.parametrize(
+    ("override", "needles"),
+    [
+        ("+trainer.foo=1", ("Unknown key(s) in `trainer`: `foo`",)),
+        ("+trainer.lrr=1", ("`lrr` (did you mean `lr`?)",)),
+        ("trainer.epoch=1", ("Could not override 'trainer.epoch'", "did you mean `trainer.epochs`?")),
+        ("trainer.epochs=[1", ("no viable alternative",)),
+        ("seed=4294967296", ("`seed`: 4294967296", "[0, 2**32)")),
+    ],
+)
+def test_bad_overrides_exit_2_with_one_paragraph(tmp_path: Path, override: str, needles: tuple[str, ...]) -> None:
+    refused(clbench(*TINY_RUN, override, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path), *needles)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "key"),
+    [
+        (("data.class_order_seed=-1",), "data.class_order_seed"),
+        (("data.resized_crop_scale=[]",), "data.resized_crop_scale"),
+        (("backbone.kwargs.embed_dim=62", "backbone.kwargs.num_heads=4"), "backbone.kwargs"),
+        (("backbone.img_size=18",), "backbone.img_size"),
+        (("method=piggyback", "method.layers=[]"), "method.layers"),
+        (("method=meat", "method.layers=[]"), "method.layers"),
+    ],
+)
+def test_bad_values_are_refused_before_training(overrides: tuple[str, ...], key: str) -> None:
+    with pytest.raises(ClbenchError, match=rf"`{key}`"):
+        build_runtime(tiny_config(*overrides))
+
+
+def test_a_refused_resume_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    before = snapshot(run_dir)
+    out = clbench(*TINY_RUN, "seed=5", "trainer.lr=0.01", "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    refused(out, "seed: checkpoint 0, now 5", "trainer.lr: checkpoint 0.001, now 0.01")
+    assert snapshot(run_dir) == before  # .hydra/config.yaml, overrides.yaml, results.json, checkpoint: unchanged
+
+
+def test_resume_on_a_missing_folder_is_refused_without_creating_it(tmp_path: Path) -> None:
+    refused(clbench(*TINY_RUN, "resume=true", f"hydra.run.dir={tmp_path / 'none'}", cwd=tmp_path), "does not exist")
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_second_writer_is_refused_with_the_holders_pid_and_a_killed_holder_frees_the_folder(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    holder = subprocess.Popen(  # a clbench process holding the folder (as a running run does)
+        [sys.executable, "-c", f"from pathlib import Path; from clbench.files import lock_run_folder; "
+         f"lock_run_folder(Path({str(run_dir)!r})); print('held', flush=True); import time; time.sleep(120)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        out = clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        refused(out, f"is in use by another clbench run (PID {holder.pid})")
+        assert not (run_dir / ".hydra").exists()  # refused before Hydra wrote anything
+    finally:
+        holder.kill()  # SIGKILL: the lock file and the PID file stay behind, the OS lock does not
+        holder.wait()
+    assert (run_dir / files.PID_FILE).read_text().strip() == str(holder.pid)
+    out = clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def test_weights_that_belong_to_another_network_are_refused_listing_the_keys(tmp_path: Path) -> None:
+    path = tmp_path / "other.safetensors"
+    save_file({"encoder.layer.0.weight": torch.zeros(4, 4), "encoder.layer.0.bias": torch.zeros(4)}, str(path))
+    # the 1-block ViT of TINY has 18 tensors (cls_token, pos_embed, patch_embed x2, 12 in the block, the final norm x2)
+    out = clbench(*TINY_RUN, f"backbone.weights={path}", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    refused(
+        out,
+        str(path),
+        "missing 18: blocks.0.attn.proj.bias",
+        "unexpected 2: encoder.layer.0.bias, encoder.layer.0.weight",
+    )
+
+
+def test_weights_with_one_extra_tensor_are_refused(tmp_path: Path) -> None:
+    method, _ = build_runtime(tiny_config())
+    path = tmp_path / "extra.safetensors"
+    save_file({**method.backbone.state_dict(), "adapter.weight": torch.zeros(2)}, str(path))
+    with pytest.raises(ClbenchError, match=r"unexpected 1: adapter\.weight"):
+        build_runtime(tiny_config(f"backbone.weights={path}"))
+    head = {"head.weight": torch.zeros(3, 32), "head.bias": torch.zeros(3)}  # a classifier is dropped, as timm does
+    save_file({**method.backbone.state_dict(), **head}, str(path))
+    build_runtime(tiny_config(f"backbone.weights={path}"))
+
+
+def test_a_signal_during_start_up_ends_in_one_paragraph(tmp_path: Path) -> None:
+    script = f"""
+import os, signal, sys
+import clbench.run as run
+real = run.build_runtime
+def build(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a, **k)
+run.build_runtime = build
+sys.argv = ["clbench", *{list(TINY_RUN)!r}, "hydra.run.dir={tmp_path / "run"}"]
+from clbench.cli import main
+main()
+"""
+    out = run_command(sys.executable, "-c", script, cwd=tmp_path)
+    refused(out, "stopped by SIGTERM outside training", "resume=auto")
+    with pytest.raises(Interrupted, match="SIGINT"):
+        from clbench.cli import interrupted
+
+        interrupted(signal.SIGINT, None)
+
+
+def test_clbench_eval_refuses_a_corrupt_results_json_and_names_a_stage_mismatch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    results = run_dir / "results.json"
+    good = json.loads(results.read_text())
+    results.write_text('{"acc_matrix": {"til": [[50.0')  # cut off mid-write
+    out = run_command(sys.executable, "-m", "clbench.reevaluate", str(run_dir), cwd=tmp_path)
+    refused(out, "results.json is corrupt")
+    good["acc_matrix"] = {s: rows[:1] for s, rows in good["acc_matrix"].items()}  # killed before task 1's row
+    results.write_text(json.dumps(good))
+    out = run_command(sys.executable, "-m", "clbench.reevaluate", str(run_dir), cwd=tmp_path)
+    assert out.returncode == 0 and "has no row after task 1" in " ".join(out.stderr.split()), out.stderr
+
+
+# --------------------------------------------------------------------------------------------- the run folder
+def test_a_full_disk_is_a_clear_error_and_the_previous_file_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "results.json"
+    files.write_atomic(path, "previous")
+
+    def no_space(*_args: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(files.os, "replace", no_space)
+    with pytest.raises(DataError, match=r"No space left to write .*results\.json"):
+        files.write_atomic(path, "new")
+    assert path.read_text() == "previous" and not list(tmp_path.glob(".*.tmp"))
+
+
+def test_files_follow_the_umask_and_stale_temporaries_are_removed(tmp_path: Path) -> None:
+    stale = tmp_path / ".results.json.abc123.tmp"  # left by a killed write
+    stale.write_text("partial")
+    train(tiny_config("data.num_tasks=1", "trainer.epochs=1"), tmp_path)
+    assert not stale.exists()
+    mask = os.umask(0)
+    os.umask(mask)
+    for name in ("results.json", "acc_matrix_til.csv", "heatmap_til.png"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o666 & ~mask, name
+
+
+def test_the_log_holds_what_the_run_printed_and_a_line_per_epoch(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    out = clbench(*TINY_RUN, "method=piggyback", "trainer.log_every=1000", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = (run_dir / "clbench.log").read_text()
+    for text in ("task 0 train epoch 1/1: loss", "task 1: TIL", "Metrics (%)", "expect numbers near chance"):
+        assert text in log, text
+        assert text in out.stderr, text  # not a terminal: the epoch lines replace the progress bar
+
+
+def test_parallel_jobs_split_the_cores() -> None:
+    from clbench.cli import share_cores
+
+    threads = torch.get_num_threads()
+    try:
+        share_cores(OmegaConf.create({"_target_": "hydra_plugins.hydra_joblib_launcher.JoblibLauncher", "n_jobs": 2}))
+        assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# --------------------------------------------------------------------------------------------- crashes, then resume
+METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "simplecil")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """A crash at a point drawn per method (a training step or an evaluation; seeded, so reproducible) and a resume
+    give the matrices of an uninterrupted run, bit for bit."""
+    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
+    overrides = (f"method={method}", *CHECKPOINTED, *extra)
+    train(tiny_config(*overrides), tmp_path / "whole")
+    expected = matrices(tmp_path / "whole" / "results.json")
+    rng = random.Random(f"crash:{method}")
+    where = "evaluate" if method == "simplecil" else rng.choice(["step", "evaluate"])
+    count = rng.randint(1, 7 if where == "evaluate" else 14)
+    calls = {"n": 0}
+    real = run_module.train_step if where == "step" else Runtime.evaluate
+
+    def crashing(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == count:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(*((run_module, "train_step") if where == "step" else (Runtime, "evaluate")), crashing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(tiny_config(*overrides), tmp_path / "cut")
+    monkeypatch.undo()
+    train(tiny_config(*overrides, "resume=auto"), tmp_path / "cut")
+    assert matrices(tmp_path / "cut" / "results.json") == expected, (where, count)
