@@ -50,6 +50,34 @@ def matrix_csv(matrix: list[list[float | None]]) -> str:
     return buf.getvalue()
 
 
+def draw_matrix(
+    ax: plt.Axes, rows: list[list[float | None]], columns: int, cmap: str, limits: tuple[float, float], **labels: str
+) -> None:
+    """An annotated matrix on ``ax`` (None cells blank; the ink follows the cell's brightness); ``labels``: xlabel,
+    ylabel and the colour bar's label."""
+    grid = [[math.nan if v is None else v for v in row] for row in rows] or [[math.nan] * columns]
+    im = ax.imshow(grid, cmap=cmap, vmin=limits[0], vmax=limits[1])
+    for i, row in enumerate(rows):
+        for j, v in enumerate(row):
+            if v is not None:
+                r, g, b, _ = im.cmap(im.norm(v))
+                ink = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
+                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color=ink)
+    ax.set_xlabel(labels["xlabel"])
+    ax.set_ylabel(labels["ylabel"])
+    ax.set_xticks(range(columns))
+    ax.set_yticks(range(len(grid)))
+    ax.figure.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=labels.get("bar", ""))
+
+
+def png(fig: plt.Figure, dpi: int = 120) -> bytes:
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def heatmap_png(results: Results, scenario: str) -> bytes:
     """Accuracy and forgetting matrices of one scenario side by side, values annotated."""
     forgetting = results.forgetting_rows(scenario)
@@ -60,28 +88,12 @@ def heatmap_png(results: Results, scenario: str) -> bytes:
     ]
     n = len(results.tasks)
     fig, axes = plt.subplots(1, 2, figsize=(2 + 1.1 * n, 1.2 + 0.55 * n), squeeze=False)
-    for ax, (title, rows, cmap, (lo, hi)) in zip(axes[0], panels, strict=True):
-        grid = [[math.nan if v is None else v for v in row] for row in rows] or [[math.nan] * n]
-        im = ax.imshow(grid, cmap=cmap, vmin=lo, vmax=hi)
-        for i, row in enumerate(rows):
-            for j, v in enumerate(row):
-                if v is not None:
-                    r, g, b, _ = im.cmap(im.norm(v))
-                    ink = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"
-                    ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color=ink)
+    for ax, (title, rows, cmap, limits) in zip(axes[0], panels, strict=True):
+        draw_matrix(ax, rows, n, cmap, limits, xlabel="evaluated task", ylabel="after training task")
         ax.set_title(title, fontsize=9)
-        ax.set_xlabel("evaluated task")
-        ax.set_ylabel("after training task")
-        ax.set_xticks(range(n))
-        ax.set_yticks(range(len(grid)))
-        fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     header = results.header
     fig.suptitle(f"{header['method']} on {header['benchmark']}: {_SCENARIO_TITLES[scenario]}", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig)
 
 
 def task_confusion_png(results: Results) -> bytes:
@@ -89,25 +101,12 @@ def task_confusion_png(results: Results) -> bytes:
     each task's classes). The diagonal is task inference done right; a heavy last column is recency bias."""
     rows = results.diagnostics["task_confusion"]["cil"]
     n = len(rows)
-    grid = [[math.nan if v is None else v for v in row] for row in rows]
     fig, ax = plt.subplots(figsize=(1.6 + 0.6 * n, 1.2 + 0.55 * n))
-    im = ax.imshow(grid, cmap="Blues", vmin=0.0, vmax=100.0)
-    for i, row in enumerate(rows):
-        for j, v in enumerate(row):
-            if v is not None:
-                ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7, color="white" if v > 60 else "black")
-    ax.set_xlabel("predicted in the classes of task")
-    ax.set_ylabel("test samples of task")
-    ax.set_xticks(range(n))
-    ax.set_yticks(range(n))
-    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="% of the task's samples")
+    labels = {"xlabel": "predicted in the classes of task", "ylabel": "test samples of task"}
+    draw_matrix(ax, rows, n, "Blues", (0.0, 100.0), **labels, bar="% of the task's samples")
     header = results.header
     ax.set_title(f"{header['method']} on {header['benchmark']}: CIL task confusion", fontsize=9)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=120)
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig)
 
 
 def prompt_histogram_png(histogram: dict[str, list[list[int]]], title: str) -> bytes:
@@ -121,11 +120,7 @@ def prompt_histogram_png(histogram: dict[str, list[list[int]]], title: str) -> b
         ax.set_ylabel("task")
         fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    return buf.getvalue()
+    return png(fig, dpi=110)
 
 
 def write_run_files(
