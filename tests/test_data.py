@@ -12,7 +12,7 @@ import torch
 from clbench.config import DataConfig, validate
 from clbench.data import DeviceTransform, build_benchmark, sources
 from clbench.data.benchmark import class_order
-from clbench.errors import DataError
+from clbench.errors import ConfigError, DataError
 from conftest import compose_config
 
 
@@ -164,6 +164,25 @@ def test_eval_transform_is_deterministic_and_train_transform_is_random() -> None
     assert torch.equal(test_tf(images), images.float() / 255)
     train_tf = DeviceTransform(cfg, 32, (0.0,) * 3, (1.0,) * 3, train=True)
     assert not torch.equal(train_tf(images), train_tf(images))
+
+
+def test_the_imagenet_test_transform_resizes_then_cuts_the_border_away() -> None:
+    """Resize(256) + CenterCrop(224) of a 32 px image: the crop starts 16 px in, at 256 px; bilinear resizing maps that
+    row's centre to source row (16 + 0.5) / 8 - 0.5 = 1.5625, between source rows 1 and 2. With a white frame of 2 px
+    on black the first row is white for 1 - 0.5625 = 0.4375; with a 3 px frame it is white."""
+    cfg = DataConfig(name="d", source="digits", tasks=5, test_resize=256)
+    tf = DeviceTransform(cfg, 224, (0.0,) * 3, (1.0,) * 3, train=False)
+    for frame, first_row in ((2, 0.4375), (3, 1.0)):
+        image = torch.full((1, 3, 32, 32), 255, dtype=torch.uint8)
+        image[..., frame:-frame, frame:-frame] = 0
+        out = tf(image)
+        assert out.shape == (1, 3, 224, 224)
+        assert out[0, :, 0, 112].tolist() == pytest.approx([first_row] * 3) and out[..., 112, 112].abs().max() == 0
+
+
+def test_a_test_resize_below_the_input_size_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"`data.test_resize`: 16"):
+        validate(compose_config("data.test_resize=16"))
 
 
 def test_pad_crop_shifts_by_whole_pixels() -> None:

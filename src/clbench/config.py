@@ -60,6 +60,9 @@ class DataConfig:
     crop_padding: int = 4
     resized_crop_scale: tuple[float, float] = (0.08, 1.0)
     hflip: bool = True
+    # Evaluation: resize to test_resize, then centre-crop the backbone's img_size (Resize(256) + CenterCrop(224), the
+    # ImageNet test transform L2P's and DeiT's code use); null: resize straight to img_size.
+    test_resize: int | None = None
     # Only for source=synthetic: class prototypes plus noise, for tests and timings without files.
     synthetic_classes: int = 10
     synthetic_train_per_class: int = 50
@@ -287,6 +290,13 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(isinstance(seed, int) and 0 <= seed < 2**32, "seed", seed, "an integer in [0, 2**32) (NumPy's seed range)")
     resume = cfg.get("resume", False)
     require(isinstance(resume, bool) or resume == "auto", "resume", resume, "true, false or auto")
+    test_resize, img_size = groups["data"].test_resize, groups["backbone"].img_size
+    require(
+        test_resize is None or test_resize >= img_size,
+        "data.test_resize",
+        test_resize,
+        f"null or an integer >= backbone.img_size={img_size} (resize, then centre-crop img_size)",
+    )
     require(
         groups["trainer"].schedule != "plateau" or groups["data"].val_fraction > 0,
         "trainer.schedule",

@@ -3,7 +3,8 @@
 Training crops, flips and resizes in one ``F.grid_sample`` per batch with a per-sample affine grid:
 ``pad`` shifts each image by up to ``crop_padding`` pixels with zero fill (the CIFAR pad-and-crop recipe),
 ``resized`` samples a RandomResizedCrop box (area ``resized_crop_scale``, aspect ratio 3/4..4/3).
-Evaluation resizes with antialiasing. Both then normalise with the backbone's mean/std.
+Evaluation resizes with antialiasing, straight to the backbone's size or (``data.test_resize``) to that size and then
+a centre crop. Both then normalise with the backbone's mean/std.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torchvision.transforms.v2 import functional as TF
 
 from clbench.config import DataConfig
 
@@ -42,6 +44,8 @@ class DeviceTransform:
             theta = self._affine(len(images), *images.shape[-2:], x.device)[part]
             grid = F.affine_grid(theta, [len(x), x.shape[1], self.out_size, self.out_size], align_corners=False)
             x = F.grid_sample(x, grid, mode="bilinear", padding_mode="zeros", align_corners=False)
+        elif not self.train and self.cfg.test_resize:
+            x = resize_center_crop(x, self.cfg.test_resize, self.out_size)
         elif x.shape[-1] != self.out_size or x.shape[-2] != self.out_size:
             x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", antialias=True)
         mean, std = self.mean.to(x.device), self.std.to(x.device)
@@ -72,3 +76,8 @@ class DeviceTransform:
         theta[:, 0, 0], theta[:, 0, 2] = scale_x, shift_x
         theta[:, 1, 1], theta[:, 1, 2] = scale_y, shift_y
         return theta
+
+
+def resize_center_crop(x: torch.Tensor, resize: int, crop: int) -> torch.Tensor:
+    """torchvision's Resize(resize) + CenterCrop(crop), applied to the whole batch on its device."""
+    return TF.center_crop(TF.resize(x, [resize], antialias=True), [crop, crop])
