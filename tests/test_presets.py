@@ -8,11 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 
-from clbench.config import validate
+from clbench.config import DataConfig, validate
+from clbench.data import build_benchmark
+from clbench.errors import DataError
 from clbench.run import build_optimizer, build_runtime, train_step
 from conftest import compose_config
 from test_data import write_cifar100
+from test_folders import write_five_datasets, write_image_folder
 
 SHRINK = (
     "backbone.pretrained=false",
@@ -58,3 +62,62 @@ def test_a_paper_preset_reads_the_real_layout_and_takes_a_step(
     loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
     assert torch.isfinite(loss)
     assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, test_size, test_size)
+
+
+def write_gtsrb(root: Path, classes: int = 3, per_class: int = 2) -> None:
+    """GTSRB's official layout, as torchvision reads it: Training/<class>/*.ppm, Final_Test/Images/*.ppm and the
+    test labels in GT-final_test.csv (';'-separated). Sizes vary, as in GTSRB; the pixel value encodes the class."""
+    base = root / "gtsrb"
+    test = base / "GTSRB" / "Final_Test" / "Images"
+    test.mkdir(parents=True)
+    rows = ["Filename;Width;Height;Roi.X1;Roi.Y1;Roi.X2;Roi.Y2;ClassId"]
+    for c in range(classes):
+        train = base / "GTSRB" / "Training" / f"{c:05d}"
+        train.mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (20 + 7 * i, 25), (40 * c,) * 3).save(train / f"{i:05d}_00000.ppm")
+        Image.new("RGB", (31, 17), (40 * c,) * 3).save(test / f"{c:05d}.ppm")
+        rows.append(f"{c:05d}.ppm;31;17;0;0;30;16;{c}")
+    (base / "GT-final_test.csv").write_text("\n".join(rows) + "\n")
+
+
+def test_gtsrb_is_read_through_torchvision_in_its_official_layout(tmp_path: Path) -> None:
+    write_gtsrb(tmp_path)
+    bench = build_benchmark(
+        DataConfig(name="g", source="gtsrb", tasks=3, root=str(tmp_path), store_size=16, class_order_seed=None)
+    )
+    assert [t.class_names for t in bench.tasks] == [("00000",), ("00001",), ("00002",)]
+    for task, train, test in zip(bench.tasks, bench.train, bench.test, strict=True):
+        assert train.x.shape == (2, 3, 16, 16) and test.x.shape == (1, 3, 16, 16)
+        assert (train.x == 40 * task.id).all() and (test.x == 40 * task.id).all()  # labels match the images
+    with pytest.raises(DataError, match=r"gtsrb/GTSRB/Training/<class>/\*\.ppm"):
+        build_benchmark(DataConfig(name="g", source="gtsrb", tasks=3, root=str(tmp_path / "none"), store_size=16))
+
+
+def test_the_hat_mixture_preset_reads_its_eight_datasets_in_the_official_order(tmp_path: Path) -> None:
+    from sklearn.utils import shuffle
+
+    write_five_datasets(tmp_path)  # cifar10, MNIST, FashionMNIST, svhn, notmnist
+    write_cifar100(tmp_path)
+    write_image_folder(tmp_path / "facescrub", ["ann", "bob", "cid"], 5, split=False)
+    write_gtsrb(tmp_path, per_class=5)
+    names = ["cifar10", "cifar100", "mnist", "svhn", "fashion_mnist", "gtsrb", "facescrub", "notmnist"]  # mixture.py
+    order = [names[i] for i in shuffle(np.arange(8), random_state=0)]  # the official code's order for seed 0
+    cfg = validate(
+        compose_config("experiment=hat_mixture_paper", f"data.root={tmp_path}", "data.verify_checksums=false", *SHRINK)
+    )
+    assert cfg.data.datasets == order
+    method, rt = build_runtime(cfg)
+    classes = {"cifar10": 10, "cifar100": 100, "mnist": 10, "svhn": 10, "fashion_mnist": 10, "gtsrb": 3}
+    classes |= {"facescrub": 3, "notmnist": 10}
+    assert [t.num_classes for t in rt.benchmark.tasks] == [classes[n] for n in order]
+    assert all(len(v) > 0 for v in rt.benchmark.validation)  # 15% held out for the plateau schedule
+    task = rt.benchmark.tasks[0]
+    method.before_task(task)
+    phase = method.phases(task, cfg.trainer.epochs)[0]
+    method.before_phase(task, phase)
+    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)
+    loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
+    assert torch.isfinite(loss)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import codecs
 import importlib
 import pickle
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -311,6 +312,41 @@ def load_svhn_source(cfg: DataConfig) -> SourceData:
     return SourceData(*out, [str(d) for d in range(10)])
 
 
+def load_gtsrb_source(cfg: DataConfig) -> SourceData:
+    """GTSRB (German traffic signs, 43 classes) through torchvision's reader, in its layout:
+    ``<root>/gtsrb/GTSRB/Training/<class>/*.ppm``, ``<root>/gtsrb/GTSRB/Final_Test/Images/*.ppm`` and
+    ``<root>/gtsrb/GT-final_test.csv``. Images (15 to 250 px) are decoded once, in ``data.decode_workers`` threads,
+    straight to ``data.store_size`` squares."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torchvision.datasets import GTSRB
+    from torchvision.transforms import v2
+
+    assert cfg.store_size is not None  # checked by DataConfig (sequences and folders need it)
+    size = cfg.store_size
+    to_tensor = v2.Compose([v2.PILToTensor(), v2.Resize((size, size), antialias=True)])
+    out = []
+    for split in ("train", "test"):
+        try:
+            dataset = GTSRB(cfg.root, split=split, transform=to_tensor, download=cfg.download)
+        except Exception as err:  # torchvision: RuntimeError when missing; network errors when downloading
+            raise DataError(
+                f"GTSRB's {split} files are missing under {Path(cfg.root).expanduser() / 'gtsrb'} "
+                f"({type(err).__name__}: {err}). Expected gtsrb/GTSRB/Training/<class>/*.ppm, "
+                "gtsrb/GTSRB/Final_Test/Images/*.ppm and gtsrb/GT-final_test.csv (the official archives extracted); "
+                "data.download=true fetches them."
+            ) from None
+        with ThreadPoolExecutor(cfg.decode_workers) as pool:
+            pairs = list(pool.map(dataset.__getitem__, range(len(dataset))))
+        if not pairs:
+            raise DataError(f"GTSRB's {split} split under {cfg.root} holds no images.")
+        out += [torch.stack([x for x, _ in pairs]), torch.tensor([y for _, y in pairs], dtype=torch.long)]
+    classes = sorted(
+        p.name for p in (Path(cfg.root).expanduser() / "gtsrb" / "GTSRB" / "Training").iterdir() if p.is_dir()
+    )
+    return SourceData(*out, classes)
+
+
 def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
     """An image-folder dataset with its own train/test split, or split per class with ``data.split_seed``."""
     folder = Path(cfg.root).expanduser() / folder_name
@@ -347,19 +383,22 @@ def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
     return SourceData(train_x, torch.from_numpy(train_y), test_x, torch.from_numpy(test_y), classes, split)
 
 
+BUILT_IN: dict[str, Callable[[DataConfig], SourceData]] = {
+    "digits": lambda cfg: load_digits_source(),
+    "synthetic": load_synthetic_source,
+    "cifar10": lambda cfg: load_cifar_source(cfg, "cifar10"),
+    "cifar100": lambda cfg: load_cifar_source(cfg, "cifar100"),
+    "mnist": lambda cfg: load_mnist_source("mnist", cfg),
+    "fashion_mnist": lambda cfg: load_mnist_source("fashion_mnist", cfg),
+    "svhn": load_svhn_source,
+    "gtsrb": load_gtsrb_source,
+}
+
+
 def load_named_source(name: str, cfg: DataConfig) -> SourceData:
     """A dataset by name: one of the built-in sources, else an image folder ``<root>/<name>``."""
-    if name == "digits":
-        return load_digits_source()
-    if name == "synthetic":
-        return load_synthetic_source(cfg)
-    if name in ("cifar10", "cifar100"):
-        return load_cifar_source(cfg, name)
-    if name in ("mnist", "fashion_mnist"):
-        return load_mnist_source(name, cfg)
-    if name == "svhn":
-        return load_svhn_source(cfg)
-    return load_image_folder_source(name, cfg)
+    loader = BUILT_IN.get(name)
+    return loader(cfg) if loader is not None else load_image_folder_source(name, cfg)
 
 
 def load_source(cfg: DataConfig) -> SourceData:
