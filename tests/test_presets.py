@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from scipy.io import savemat
 
 from clbench.config import DataConfig, validate
 from clbench.data import build_benchmark
@@ -86,7 +87,7 @@ def test_gtsrb_is_read_through_torchvision_in_its_official_layout(tmp_path: Path
     bench = build_benchmark(
         DataConfig(name="g", source="gtsrb", tasks=3, root=str(tmp_path), store_size=16, class_order_seed=None)
     )
-    assert [t.class_names for t in bench.tasks] == [("00000",), ("00001",), ("00002",)]
+    assert [t.class_names for t in bench.tasks] == [("gtsrb_0",), ("gtsrb_1",), ("gtsrb_2",)]  # GTSRB names none
     for task, train, test in zip(bench.tasks, bench.train, bench.test, strict=True):
         assert train.x.shape == (2, 3, 16, 16) and test.x.shape == (1, 3, 16, 16)
         assert (train.x == 40 * task.id).all() and (test.x == 40 * task.id).all()  # labels match the images
@@ -121,3 +122,102 @@ def test_the_hat_mixture_preset_reads_its_eight_datasets_in_the_official_order(t
     x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)
     loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
     assert torch.isfinite(loss)
+
+
+def jpg(path: Path, value: int, size: tuple[int, int] = (30, 22)) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (value,) * 3).save(path, quality=100)
+
+
+def write_cub200(root: Path, classes: int = 3, per_class: int = 4) -> None:
+    """CUB_200_2011's official layout: id lists, the train/test split file and images/<class>/*.jpg."""
+    base, images, labels, split, names = root / "CUB_200_2011", [], [], [], []
+    for c in range(classes):
+        names.append(f"{c + 1} {c + 1:03d}.bird_{c}")
+        for i in range(per_class):
+            n = len(images) + 1
+            images.append(f"{n} {c + 1:03d}.bird_{c}/img_{n}.jpg")
+            labels.append(f"{n} {c + 1}")
+            split.append(f"{n} {int(i > 0)}")  # the first image of each class is a test image
+            jpg(base / "images" / f"{c + 1:03d}.bird_{c}" / f"img_{n}.jpg", 60 * c)
+    for name, lines in (("images", images), ("image_class_labels", labels), ("train_test_split", split)):
+        (base / f"{name}.txt").write_text("\n".join(lines) + "\n")
+    (base / "classes.txt").write_text("\n".join(names) + "\n")
+
+
+def write_stanford_cars(root: Path, classes: int = 3, per_class: int = 3) -> None:
+    """Stanford Cars as torchvision reads it: cars_train/, cars_test/, devkit/{cars_meta,cars_train_annos}.mat and
+    cars_test_annos_withlabels.mat (struct arrays with fname and a 1-based class)."""
+    base = root / "stanford_cars"
+    (base / "devkit").mkdir(parents=True)
+    savemat(
+        str(base / "devkit" / "cars_meta.mat"),
+        {"class_names": np.array([f"car {c}" for c in range(classes)], dtype=object)},
+    )
+    for split, annos, n in (
+        ("train", base / "devkit" / "cars_train_annos.mat", per_class),
+        ("test", base / "cars_test_annos_withlabels.mat", 1),
+    ):
+        records = np.zeros(classes * n, dtype=[("fname", "O"), ("class", "O")])
+        for k, (c, i) in enumerate((c, i) for c in range(classes) for i in range(n)):
+            records[k] = (f"{c}_{i}.jpg", c + 1)
+            jpg(base / f"cars_{split}" / f"{c}_{i}.jpg", 60 * c)
+        savemat(str(annos), {"annotations": records})
+
+
+def write_flowers102(root: Path, classes: int = 102) -> None:
+    """Flowers-102 as torchvision reads it: jpg/image_XXXXX.jpg, imagelabels.mat (1-based) and setid.mat (1-based
+    ids of train, val and test). All 102 classes: torchvision names them itself."""
+    base = root / "flowers-102"
+    labels = np.repeat(np.arange(1, classes + 1), 3)
+    for n, label in enumerate(labels, 1):
+        jpg(base / "jpg" / f"image_{n:05d}.jpg", 2 * (label - 1), (12, 10))
+    savemat(str(base / "imagelabels.mat"), {"labels": labels})
+    ids = np.arange(1, len(labels) + 1).reshape(classes, 3)
+    savemat(str(base / "setid.mat"), {"trnid": ids[:, 0], "valid": ids[:, 1], "tstid": ids[:, 2]})
+
+
+@pytest.mark.parametrize("preset", ["packnet_finegrained_paper", "piggyback_finegrained_paper"])
+def test_the_finegrained_presets_read_each_dataset_in_its_own_layout(tmp_path: Path, preset: str) -> None:
+    write_cub200(tmp_path)
+    write_stanford_cars(tmp_path)
+    write_flowers102(tmp_path)
+    for name in ("wikiart", "sketches"):
+        write_image_folder(tmp_path / name, ["a", "b"], 3, split=True)
+    cfg = validate(
+        compose_config(
+            f"experiment={preset}",
+            f"data.root={tmp_path}",
+            "data.verify_checksums=false",
+            "data.store_size=32",
+            *SHRINK,
+        )
+    )
+    method, rt = build_runtime(cfg)
+    bench = rt.benchmark
+    assert [t.num_classes for t in bench.tasks] == [3, 3, 102, 2, 2]
+    assert [len(s) for s in bench.train[:3]] == [9, 9, 204] and [len(s) for s in bench.test[:3]] == [3, 3, 102]
+    for task, split, step in zip(bench.tasks[:3], bench.train[:3], (60, 60, 2), strict=True):  # labels fit the images
+        grey = split.x[:, 0, 16, 16].float()
+        assert torch.allclose(grey, step * (split.y - task.offset).float(), atol=3), task
+    assert (
+        bench.tasks[1].class_names[0] == "stanford_cars/car 0" and bench.tasks[0].class_names[0] == "cub200/001.bird_0"
+    )
+    task = bench.tasks[0]
+    method.before_task(task)
+    phase = method.phases(task, cfg.trainer.epochs)[0]
+    method.before_phase(task, phase)
+    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    x, y = bench.train[0].batch(None, 0, cfg.trainer.batch_size)
+    loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
+    assert torch.isfinite(loss) and rt.test_tf(bench.test[0].x[:2]).shape == (2, 3, 224, 224)
+
+
+def test_an_image_folder_with_train_and_test_takes_precedence_over_an_official_layout(tmp_path: Path) -> None:
+    write_cub200(tmp_path)
+    write_image_folder(tmp_path / "cub200", ["x", "y"], 2, split=True)  # e.g. Piggyback's cropped copy
+    bench = build_benchmark(
+        DataConfig(name="s", source="sequence", datasets=["cub200"], tasks=1, root=str(tmp_path), store_size=16)
+    )
+    assert bench.tasks[0].class_names == ("cub200/x", "cub200/y")

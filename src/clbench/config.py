@@ -88,7 +88,7 @@ class DataConfig:
         require(self.tasks >= 1, "data.tasks", self.tasks, "an integer >= 1")
         if self.source == "image_folder":
             require(bool(self.folder), "data.folder", self.folder, "the image folder's name under data.root")
-        if self.source in ("image_folder", "sequence", "gtsrb"):
+        if self.source in ("image_folder", "sequence", "gtsrb", "flowers102", "stanford_cars", "cub200"):
             require(self.store_size is not None and self.store_size >= 8, "data.store_size", self.store_size, ">= 8")
         if self.source == "sequence":
             require(len(self.datasets) > 0, "data.datasets", self.datasets, "a non-empty list of dataset names")

@@ -312,39 +312,118 @@ def load_svhn_source(cfg: DataConfig) -> SourceData:
     return SourceData(*out, [str(d) for d in range(10)])
 
 
-def load_gtsrb_source(cfg: DataConfig) -> SourceData:
-    """GTSRB (German traffic signs, 43 classes) through torchvision's reader, in its layout:
-    ``<root>/gtsrb/GTSRB/Training/<class>/*.ppm``, ``<root>/gtsrb/GTSRB/Final_Test/Images/*.ppm`` and
-    ``<root>/gtsrb/GT-final_test.csv``. Images (15 to 250 px) are decoded once, in ``data.decode_workers`` threads,
-    straight to ``data.store_size`` squares."""
+@dataclass(frozen=True)
+class TorchvisionSet:
+    """A dataset torchvision reads in its official layout: the reader, its training and test splits, and the layout
+    (for the error when files are missing)."""
+
+    reader: str  # the class in torchvision.datasets
+    train_splits: tuple[str, ...]
+    layout: str
+
+
+TORCHVISION_SETS = {
+    "gtsrb": TorchvisionSet(
+        "GTSRB",
+        ("train",),
+        "gtsrb/GTSRB/Training/<class>/*.ppm, gtsrb/GTSRB/Final_Test/Images/*.ppm, gtsrb/GT-final_test.csv",
+    ),
+    "flowers102": TorchvisionSet(  # Piggyback and PackNet train on train + val (2,040 images), test on 6,149
+        "Flowers102",
+        ("train", "val"),
+        "flowers-102/jpg/image_*.jpg, flowers-102/imagelabels.mat, flowers-102/setid.mat",
+    ),
+    "stanford_cars": TorchvisionSet(
+        "StanfordCars",
+        ("train",),
+        "stanford_cars/{cars_train,cars_test}/*.jpg, stanford_cars/devkit/{cars_meta,cars_train_annos}.mat, "
+        "stanford_cars/cars_test_annos_withlabels.mat",
+    ),
+}
+
+
+def _torchvision_reader(name: str, verify: bool) -> type:
+    """The torchvision class; with ``data.verify_checksums=false`` a copy made by hand is accepted where torchvision
+    checks MD5s before reading (Flowers102's .mat files)."""
+    import torchvision.datasets
+
+    reader = getattr(torchvision.datasets, TORCHVISION_SETS[name].reader)
+    if verify or not hasattr(reader, "_check_integrity"):
+        return reader
+    return type(
+        f"Unverified{reader.__name__}", (reader,), {"_check_integrity": lambda self: self._images_folder.is_dir()}
+    )
+
+
+def load_torchvision_source(name: str, cfg: DataConfig) -> SourceData:
+    """A :data:`TORCHVISION_SETS` dataset through torchvision's own reader; images (of any size) decoded once, in
+    ``data.decode_workers`` threads, straight to ``data.store_size`` squares."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from torchvision.datasets import GTSRB
     from torchvision.transforms import v2
 
-    assert cfg.store_size is not None  # checked by DataConfig (sequences and folders need it)
-    size = cfg.store_size
-    to_tensor = v2.Compose([v2.PILToTensor(), v2.Resize((size, size), antialias=True)])
-    out = []
-    for split in ("train", "test"):
-        try:
-            dataset = GTSRB(cfg.root, split=split, transform=to_tensor, download=cfg.download)
-        except Exception as err:  # torchvision: RuntimeError when missing; network errors when downloading
-            raise DataError(
-                f"GTSRB's {split} files are missing under {Path(cfg.root).expanduser() / 'gtsrb'} "
-                f"({type(err).__name__}: {err}). Expected gtsrb/GTSRB/Training/<class>/*.ppm, "
-                "gtsrb/GTSRB/Final_Test/Images/*.ppm and gtsrb/GT-final_test.csv (the official archives extracted); "
-                "data.download=true fetches them."
-            ) from None
-        with ThreadPoolExecutor(cfg.decode_workers) as pool:
-            pairs = list(pool.map(dataset.__getitem__, range(len(dataset))))
+    spec, size = TORCHVISION_SETS[name], cfg.store_size
+    assert size is not None  # checked by DataConfig (sequences and these sources need it)
+    decode = v2.Compose([v2.PILToTensor(), v2.Resize(size, antialias=True), v2.CenterCrop(size)])
+    reader = _torchvision_reader(name, cfg.verify_checksums)
+    out, classes = [], None
+    for splits in (spec.train_splits, ("test",)):
+        pairs = []
+        for split in splits:
+            try:
+                dataset = reader(cfg.root, split=split, transform=decode, download=cfg.download)
+            except Exception as err:  # missing files (RuntimeError), failed checksums or downloads
+                raise DataError(
+                    f"{name}'s {split} split cannot be read under {Path(cfg.root).expanduser()} "
+                    f"({type(err).__name__}: {err}). Expected its official layout: {spec.layout}, or an image "
+                    f"folder {name}/{{train,test}}/<class>/*"
+                    + (" (data.download=true fetches it)." if not cfg.download else ".")
+                ) from None
+            with ThreadPoolExecutor(cfg.decode_workers) as pool:
+                pairs += list(pool.map(dataset.__getitem__, range(len(dataset))))
+            classes = classes or getattr(dataset, "classes", None)
         if not pairs:
-            raise DataError(f"GTSRB's {split} split under {cfg.root} holds no images.")
+            raise DataError(f"{name}'s {'/'.join(splits)} split under {cfg.root} holds no images.")
         out += [torch.stack([x for x, _ in pairs]), torch.tensor([y for _, y in pairs], dtype=torch.long)]
-    classes = sorted(
-        p.name for p in (Path(cfg.root).expanduser() / "gtsrb" / "GTSRB" / "Training").iterdir() if p.is_dir()
-    )
-    return SourceData(*out, classes)
+    num_classes = int(max(out[1].max(), out[3].max())) + 1
+    return SourceData(*out, list(classes or [f"{name}_{i}" for i in range(num_classes)]))
+
+
+def load_cub200_source(cfg: DataConfig) -> SourceData:
+    """CUB-200-2011 in its official layout, with its official train/test split (5,994 / 5,794 images):
+    ``<root>/CUB_200_2011/{images.txt, image_class_labels.txt, train_test_split.txt, classes.txt}`` and
+    ``images/<class>/*.jpg``. Whole images, centre-cropped and stored at ``data.store_size`` (no bounding-box crop)."""
+    assert cfg.store_size is not None  # checked by DataConfig
+    base = Path(cfg.root).expanduser() / "CUB_200_2011"
+    lists = ("images.txt", "image_class_labels.txt", "train_test_split.txt", "classes.txt")
+    missing = [n for n in lists if not (base / n).is_file()] + ([] if (base / "images").is_dir() else ["images/"])
+    if missing:
+        raise DataError(
+            f"CUB-200-2011 is incomplete under {base}: {', '.join(missing)} missing. Extract the official "
+            "CUB_200_2011.tgz into data.root (images.txt, image_class_labels.txt, train_test_split.txt, classes.txt "
+            "and images/<class>/*.jpg), or give an image folder cub200/{train,test}/<class>/*."
+        )
+
+    def table(name: str) -> dict[str, str]:
+        try:
+            return dict(line.split(maxsplit=1) for line in (base / name).read_text().splitlines() if line.strip())
+        except ValueError:
+            raise DataError(f"{base / name} is malformed: each line must be '<id> <value>'.") from None
+
+    paths, labels, train, names = (table(n) for n in lists)
+    ids = sorted(paths, key=int)
+    try:
+        parts = {flag: [i for i in ids if train[i].strip() == flag] for flag in ("1", "0")}
+        out = []
+        for flag in ("1", "0"):
+            files = [base / "images" / paths[i].strip() for i in parts[flag]]
+            out += [load_images(files, cfg.store_size, cfg.decode_workers)]
+            out += [torch.tensor([int(labels[i]) - 1 for i in parts[flag]], dtype=torch.long)]
+    except KeyError as err:
+        raise DataError(
+            f"CUB-200-2011 under {base}: image id {err} is missing from one of {', '.join(lists)}."
+        ) from None
+    return SourceData(*out, [names[k].strip() for k in sorted(names, key=int)])
 
 
 def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
@@ -391,14 +470,20 @@ BUILT_IN: dict[str, Callable[[DataConfig], SourceData]] = {
     "mnist": lambda cfg: load_mnist_source("mnist", cfg),
     "fashion_mnist": lambda cfg: load_mnist_source("fashion_mnist", cfg),
     "svhn": load_svhn_source,
-    "gtsrb": load_gtsrb_source,
+    **{name: lambda cfg, name=name: load_torchvision_source(name, cfg) for name in TORCHVISION_SETS},
+    "cub200": load_cub200_source,
 }
 
 
 def load_named_source(name: str, cfg: DataConfig) -> SourceData:
-    """A dataset by name: one of the built-in sources, else an image folder ``<root>/<name>``."""
+    """A dataset by name: an image folder ``<root>/<name>/{train,test}/<class>/*`` where there is one (e.g.
+    Piggyback's cropped copies of CUB-200 or Stanford Cars), else the built-in reader of that name (the dataset's
+    official layout), else an image folder ``<root>/<name>``."""
+    folder = Path(cfg.root).expanduser() / name
     loader = BUILT_IN.get(name)
-    return loader(cfg) if loader is not None else load_image_folder_source(name, cfg)
+    if loader is None or ((folder / "train").is_dir() and (folder / "test").is_dir()):
+        return load_image_folder_source(name, cfg)
+    return loader(cfg)
 
 
 def load_source(cfg: DataConfig) -> SourceData:
