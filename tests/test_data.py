@@ -180,6 +180,29 @@ def test_the_imagenet_test_transform_resizes_then_cuts_the_border_away() -> None
         assert out[0, :, 0, 112].tolist() == pytest.approx([first_row] * 3) and out[..., 112, 112].abs().max() == 0
 
 
+def test_deits_per_image_augmentations_draw_per_image_and_give_each_rank_its_share() -> None:
+    """RandAugment and random erasing are drawn per image (identical inputs come out different), are reproducible
+    from the seeds, and a rank's share equals the same rows of the whole batch (so ranks match one process)."""
+    import random
+
+    cfg = DataConfig(name="d", source="digits", tasks=5, train_crop="none", hflip=False, randaugment_ops=2)
+    cfg.random_erasing = 1.0
+    tf = DeviceTransform(cfg, 32, (0.5,) * 3, (0.5,) * 3, train=True)
+    images = torch.randint(0, 256, (1, 3, 32, 32), dtype=torch.uint8).repeat(8, 1, 1, 1)
+
+    def seeded(part: slice = slice(None)) -> torch.Tensor:
+        torch.manual_seed(0)
+        random.seed(0)
+        return tf(images, part)
+
+    whole = seeded()
+    assert len({row.numpy().tobytes() for row in whole}) == 8  # eight identical images, eight different results
+    assert torch.equal(seeded(), whole) and torch.equal(seeded(slice(3, 6)), whole[3:6])
+    plain = DeviceTransform(DataConfig(name="d", source="digits", tasks=5, train_crop="none", hflip=False), 32,
+                            (0.5,) * 3, (0.5,) * 3, train=True)  # fmt: skip
+    assert torch.equal(plain(images), images.float() / 127.5 - 1)  # both off: nothing changes
+
+
 def test_a_test_resize_below_the_input_size_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"`data.test_resize`: 16"):
         validate(compose_config("data.test_resize=16"))

@@ -245,3 +245,24 @@ def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     monkeypatch.undo()
     train(tiny_config(*overrides, "resume=auto"), tmp_path / "cut")
     assert matrices(tmp_path / "cut" / "results.json") == expected, (where, count)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_a_sigkill_at_a_seeded_random_checkpoint_resumes_to_the_uninterrupted_results(
+    tmp_path: Path, method: str
+) -> None:
+    """The process killed outright (SIGKILL, no handler runs) right after its k-th checkpoint write, k drawn per method,
+    then `resume=true`: the same matrices as an uninterrupted run."""
+    from test_resume import clbench_killing_itself
+
+    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
+    overrides = (*TINY, *CHECKPOINTED, f"method={method}", *extra, "logger.mode=disabled")
+    whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    after = random.Random(f"kill:{method}").randint(1, 4)
+    killed = clbench_killing_itself(tmp_path / "cut", "KILL", after, *overrides)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    resumed = clbench(*overrides, "resume=true", f"hydra.run.dir={tmp_path / 'cut'}", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert matrices(tmp_path / "cut" / "results.json") == matrices(tmp_path / "whole" / "results.json"), after

@@ -62,6 +62,9 @@ class DataConfig:
     crop_padding: int = 4
     resized_crop_scale: tuple[float, float] = (0.08, 1.0)
     hflip: bool = True
+    randaugment_ops: int = 0  # RandAugment per training image (torchvision's): ops per image (DeiT: 2; 0: off)
+    randaugment_magnitude: int = 9  # ... their magnitude, 0..30 (DeiT: 9)
+    random_erasing: float = 0.0  # probability of erasing a random box of each training image with noise (DeiT: 0.25)
     # Evaluation: resize to test_resize, then centre-crop the backbone's img_size (Resize(256) + CenterCrop(224), the
     # ImageNet test transform L2P's and DeiT's code use); null: resize straight to img_size.
     test_resize: int | None = None
@@ -112,6 +115,10 @@ class DataConfig:
         )
         require_choice("data.train_crop", self.train_crop, ("pad", "resized", "none"))
         require(self.crop_padding >= 0, "data.crop_padding", self.crop_padding, "an integer >= 0")
+        require(self.randaugment_ops >= 0, "data.randaugment_ops", self.randaugment_ops, "an integer >= 0")
+        ok = 0 <= self.randaugment_magnitude <= 30
+        require(ok, "data.randaugment_magnitude", self.randaugment_magnitude, "an integer in [0, 30]")
+        require(0 <= self.random_erasing <= 1, "data.random_erasing", self.random_erasing, "a probability in [0, 1]")
         scale = list(self.resized_crop_scale)
         require(
             len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1,
