@@ -11,7 +11,7 @@ from omegaconf import OmegaConf
 
 from clbench import run as run_module
 from clbench.config import validate
-from clbench.errors import ConfigError, DataError
+from clbench.errors import ClbenchError, ConfigError, DataError
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
 from clbench.run import build_runtime, lr_factor, run_task, train
@@ -231,3 +231,23 @@ def test_both_scenarios_from_one_call_equal_separate_predictions(method: str) ->
 def test_an_infinite_learning_rate_is_refused_before_any_work() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.lr.*inf.*a finite float > 0"):
         tiny_config("trainer.lr=inf")
+
+
+def test_soft_targets_that_are_one_hot_give_the_hard_cross_entropy() -> None:
+    from clbench.data import Task
+    from clbench.methods import Method
+
+    task = Task(1, (7, 8, 9), ("a", "b", "c"), 3)
+    logits, y = torch.randn(4, 3), torch.tensor([3, 5, 4, 3])  # global labels of task 1 (offset 3)
+    soft = torch.nn.functional.one_hot(y - 3, 3).float()
+    assert torch.allclose(Method.task_loss(logits, soft, task), Method.task_loss(logits, y, task))
+
+
+def test_mixup_and_cutmix_train_methods_with_task_losses_and_are_refused_for_others(tmp_path: Path) -> None:
+    deit = ("trainer.mixup=0.8", "trainer.cutmix=1.0", "trainer.label_smoothing=0.1", "data.num_tasks=2")
+    results = train(tiny_config("method=meat", "trainer.epochs=1", *deit), tmp_path)
+    assert results.status == "finished"
+    for method in ("l2p", "finetune", "joint"):
+        with pytest.raises(ClbenchError, match=r"`trainer.mixup`/`trainer.cutmix`: 0.8/1.0"):
+            build_runtime(tiny_config(f"method={method}", *deit))
+    build_runtime(tiny_config("method=finetune", "method.loss_scope=task", *deit))  # CE over the task's classes

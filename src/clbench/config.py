@@ -182,6 +182,9 @@ class TrainerConfig:
     warmup_epochs: float = 0.0  # linear warm-up at the start of each phase
     min_lr: float = 0.0  # floor of the cosine schedule
     grad_clip: float | None = None  # max global grad norm (null: off)
+    mixup: float = 0.0  # mixup's alpha (timm's Mixup; DeiT: 0.8); 0: off
+    cutmix: float = 0.0  # cutmix's alpha (DeiT: 1.0); with both, a batch takes one of the two (DeiT's switch 0.5)
+    label_smoothing: float = 0.0  # of the mixed targets (DeiT: 0.1); only with mixup or cutmix
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     eval_random_init: bool = True  # measure b_j (accuracy before any training) for FWT
@@ -215,6 +218,9 @@ class TrainerConfig:
             f"a float in [0, trainer.lr={self.lr}]",
         )
         require(self.grad_clip is None or self.grad_clip > 0, "trainer.grad_clip", self.grad_clip, "null or > 0")
+        for key in ("mixup", "cutmix"):
+            require(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "an alpha >= 0 (0: off)")
+        require(0 <= self.label_smoothing < 1, "trainer.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         require_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         require_choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
 

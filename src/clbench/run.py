@@ -31,6 +31,7 @@ from rich.progress import (
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
+from timm.data import Mixup
 from torch import nn
 
 from clbench import __version__, checkpoint, distributed
@@ -82,6 +83,18 @@ class Runtime:
     train_tf: DeviceTransform
     test_tf: DeviceTransform
     ranks: Ranks
+
+    def mixup(self, task: Task) -> Mixup | None:
+        """timm's Mixup/CutMix over the task's classes (DeiT's recipe), or None when both are off."""
+        cfg = self.cfg.trainer
+        if not (cfg.mixup or cfg.cutmix):
+            return None
+        return Mixup(
+            mixup_alpha=cfg.mixup,
+            cutmix_alpha=cfg.cutmix,
+            label_smoothing=cfg.label_smoothing,
+            num_classes=task.num_classes,
+        )
 
     @property
     def autocast(self) -> AbstractContextManager:
@@ -172,7 +185,12 @@ def train_step(
     batch, its loss weighted so that the averaged gradients are the whole batch's."""
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
-    x = rt.train_tf(x_raw, part)
+    mixing = rt.mixup(task)
+    if mixing is not None and len(y) % 2 == 0:  # mixed over the whole batch, so each rank's share is one process's rows
+        x, y = mixing(rt.train_tf(x_raw), y - task.offset)  # soft targets over the task's classes
+        x = x[part]
+    else:  # an odd last batch is not mixed (timm's Mixup pairs images)
+        x = rt.train_tf(x_raw, part)
     with rt.autocast:
         y = y[part]
         loss, logs = model(x, y) if model is not None else method.training_loss(x, y, task)
@@ -423,6 +441,12 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
     method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)
+    if (cfg.trainer.mixup or cfg.trainer.cutmix) and not method.takes_soft_targets():
+        raise ConfigError(
+            f"Invalid value for `trainer.mixup`/`trainer.cutmix`: {cfg.trainer.mixup}/{cfg.trainer.cutmix} with "
+            f"{type(method).__name__}, whose loss is not cross-entropy over the task's classes. Allowed: 0 (off), or a "
+            "method that takes mixed targets: meat, packnet, piggyback, supsup, hat, finetune with loss_scope=task."
+        )
     if cfg.trainer.compile:
         compile_blocks(method)
     size = cfg.backbone.img_size
@@ -456,7 +480,7 @@ def header(cfg: RunConfig) -> dict[str, Any]:
 def identity(cfg: RunConfig) -> dict[str, Any]:
     """What must not change when a run is resumed: method, data, backbone, seed and the optimisation recipe."""
     keep = ("epochs", "batch_size", "lr", "lr_scale_batch", "optimizer", "momentum", "weight_decay", "schedule")
-    keep += ("plateau_patience", "plateau_factor")
+    keep += ("plateau_patience", "plateau_factor", "mixup", "cutmix", "label_smoothing")
     trainer = as_dict(cfg.trainer)
     return {
         "method": cfg.method_target,

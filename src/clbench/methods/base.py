@@ -49,6 +49,7 @@ class Method(nn.Module):
     Config: ClassVar[type]
     task_conditioned: ClassVar[bool] = False
     changes_backbone: ClassVar[bool] = True  # its backbone weights are saved with the run (artifacts)
+    soft_targets: ClassVar[bool] = False  # its loss is cross-entropy over the task's classes (:meth:`task_loss`)
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()
@@ -98,6 +99,16 @@ class Method(nn.Module):
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         """Loss on a batch of ``task`` (``y`` holds global labels) and device-side scalars to log."""
         raise NotImplementedError
+
+    def takes_soft_targets(self) -> bool:
+        """Whether ``training_loss`` accepts mixup/cutmix targets: soft labels over the task's classes."""
+        return self.soft_targets
+
+    @staticmethod
+    def task_loss(logits: torch.Tensor, y: torch.Tensor, task: Task) -> torch.Tensor:
+        """Cross-entropy of logits over ``task``'s classes against global labels ``y``, or (mixup/cutmix) against
+        soft targets over the task's classes."""
+        return F.cross_entropy(logits, y if y.is_floating_point() else y - task.offset)
 
     def after_backward(self, task: Task) -> None:
         """Gradient surgery before the optimizer step (HAT, PackNet)."""

@@ -37,8 +37,11 @@ class Finetune(Method):
         self.backbone.requires_grad_(not self.config.freeze_backbone)
         return [{"params": [p for p in self.parameters() if p.requires_grad]}]
 
+    def takes_soft_targets(self) -> bool:
+        return self.config.loss_scope == "task"
+
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         feats = self.features(x, task.id)
         if self.config.loss_scope == "task":
-            return F.cross_entropy(self.heads[task.id](feats), y - task.offset), {}
+            return self.task_loss(self.heads[task.id](feats), y, task), {}
         return F.cross_entropy(self.seen_logits(feats), y), {}

@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -116,6 +115,7 @@ class Protected:
 class HAT(Method):
     Config = HATConfig
     task_conditioned = True
+    soft_targets = True
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: HATConfig) -> None:
         super().__init__(backbone, benchmark, config)
@@ -215,7 +215,7 @@ class HAT(Method):
         self.s = annealed_s(batch, num_batches, self.config.s_max)
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        ce = F.cross_entropy(self.heads[task.id](self.features(x, task.id)), y - task.offset)
+        ce = self.task_loss(self.heads[task.id](self.features(x, task.id)), y, task)
         keys = list(self.units)
         gates = self.gates(task.id, self.s)
         reg = capacity([gates[k] for k in keys], [self.cumulative(k) for k in keys])

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -24,6 +23,7 @@ from clbench.methods.masking import MASKABLE, MaskedLayer, buffer_name, pack_bit
 class MaskedMethod(Method):
     task_conditioned = True
     changes_backbone = False
+    soft_targets = True
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__(backbone, benchmark, config)
@@ -66,7 +66,7 @@ class MaskedMethod(Method):
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         """Cross-entropy of the task's own head over the task's classes (task-incremental training)."""
         logits = self.heads[task.id](self.features(x, task.id))
-        return F.cross_entropy(logits, y - task.offset), {}
+        return self.task_loss(logits, y, task), {}
 
     # ----------------------------------------------------------------------------- bookkeeping
     def masked_weights(self) -> int:

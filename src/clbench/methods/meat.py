@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -161,7 +160,7 @@ class MEAT(ScoredMaskMethod):
         size, part = self.batch_share or (len(x), slice(None))
         masks = {i: self.token_mask(i, task.id, size) for i in self.attentions}  # (size, N): the whole batch's draws
         logits = self.heads[task.id](self._features_with(x, task.id, {i: m[part] for i, m in masks.items()}))
-        ce = F.cross_entropy(logits, y - task.offset)
+        ce = self.task_loss(logits, y, task)
         if not masks:
             return ce, {}
         # L_dc over the whole batch's masks: the same term on every rank of a multi-process run, so the averaged
