@@ -14,7 +14,8 @@ from scipy.io import savemat
 from clbench.config import DataConfig, validate
 from clbench.data import build_benchmark
 from clbench.errors import DataError
-from clbench.run import build_optimizer, build_runtime, train_step
+from clbench.methods import Method
+from clbench.run import Runtime, build_optimizer, build_runtime, train_step
 from conftest import compose_config
 from test_data import write_cifar100
 from test_folders import write_five_datasets, write_image_folder
@@ -27,6 +28,18 @@ SHRINK = (
     "trainer.batch_size=8",
     "logger.mode=disabled",
 )
+
+
+def first_step(method: Method, rt: Runtime) -> torch.Tensor:
+    """One training step of the first task with the preset's own phase, optimizer and transforms; its loss."""
+    cfg, task = rt.cfg, rt.benchmark.tasks[0]
+    method.before_task(task)
+    phase = method.phases(task, cfg.trainer.epochs)[0]
+    method.before_phase(task, phase)
+    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)
+    return train_step(method, task, rt, x, y, optimizer=optimizer, params=params)[0]
 
 
 def official_split(seed: int, tasks: int) -> list[list[int]]:
@@ -53,14 +66,7 @@ def test_a_paper_preset_reads_the_real_layout_and_takes_a_step(
     )
     method, rt = build_runtime(cfg)
     assert [list(t.classes) for t in rt.benchmark.tasks] == classes
-    task = rt.benchmark.tasks[0]
-    method.before_task(task)
-    phase = method.phases(task, cfg.trainer.epochs)[0]
-    method.before_phase(task, phase)
-    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)
-    loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
+    loss = first_step(method, rt)
     assert torch.isfinite(loss)
     assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, test_size, test_size)
 
@@ -113,14 +119,7 @@ def test_the_hat_mixture_preset_reads_its_eight_datasets_in_the_official_order(t
     classes |= {"facescrub": 3, "notmnist": 10}
     assert [t.num_classes for t in rt.benchmark.tasks] == [classes[n] for n in order]
     assert all(len(v) > 0 for v in rt.benchmark.validation)  # 15% held out for the plateau schedule
-    task = rt.benchmark.tasks[0]
-    method.before_task(task)
-    phase = method.phases(task, cfg.trainer.epochs)[0]
-    method.before_phase(task, phase)
-    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)
-    loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
+    loss = first_step(method, rt)
     assert torch.isfinite(loss)
 
 
@@ -203,14 +202,7 @@ def test_the_finegrained_presets_read_each_dataset_in_its_own_layout(tmp_path: P
     assert (
         bench.tasks[1].class_names[0] == "stanford_cars/car 0" and bench.tasks[0].class_names[0] == "cub200/001.bird_0"
     )
-    task = bench.tasks[0]
-    method.before_task(task)
-    phase = method.phases(task, cfg.trainer.epochs)[0]
-    method.before_phase(task, phase)
-    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    x, y = bench.train[0].batch(None, 0, cfg.trainer.batch_size)
-    loss, _ = train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
+    loss = first_step(method, rt)
     assert torch.isfinite(loss) and rt.test_tf(bench.test[0].x[:2]).shape == (2, 3, 224, 224)
 
 
