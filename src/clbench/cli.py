@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import logging
 import math
 import os
@@ -19,15 +18,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from clbench.config import (
-    BackboneConfig,
-    DataConfig,
-    LoggerConfig,
-    RunConfig,
-    TrainerConfig,
-    register_schemas,
-    validate,
-)
+from clbench.config import GROUPS, RunConfig, closest, register_schemas, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import check_writable, lock_run_folder, write_atomic
 
@@ -217,13 +208,9 @@ def did_you_mean(error: HydraException) -> str | None:
     """For a key a group's schema does not have (``trainer.fooo=1``), the closest key it has."""
     full_key = str(getattr(error.__cause__, "full_key", "") or "")
     group, _, key = full_key.rpartition(".")
-    schema = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}.get(
-        group
-    )
-    if schema is None or not key:
-        return None
-    match = difflib.get_close_matches(key, [f.name for f in dataclasses.fields(schema)], 1)
-    return f"did you mean `{group}.{match[0]}`?" if match else None
+    schema = GROUPS.get(group)
+    match = closest(key, [f.name for f in dataclasses.fields(schema)]) if schema is not None and key else None
+    return f"did you mean `{group}.{match}`?" if match else None
 
 
 if __name__ == "__main__":

@@ -258,7 +258,7 @@ class RunConfig:
     objective_on_test: bool = False  # let `objective` read a test metric (selection on test: opt-in, warned)
 
 
-_GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
 
 
 def register_schemas() -> None:
@@ -266,18 +266,21 @@ def register_schemas() -> None:
     (``defaults: [/schema/<group>@_here_, _self_]``), so a YAML lists only what it changes and every field,
     set in the YAML or not, can be overridden from the command line and is type-checked while composing."""
     store = ConfigStore.instance()
-    for group, schema in _GROUPS.items():
+    for group, schema in GROUPS.items():
         store.store(group="schema", name=group, node=schema)
+
+
+def closest(key: str, allowed: list[str]) -> str | None:
+    """The allowed key a mistyped ``key`` most likely meant (difflib), or None."""
+    match = difflib.get_close_matches(key, allowed, 1)
+    return match[0] if match else None
 
 
 def refuse_unknown(keys: Any, allowed: list[str], where: str) -> None:
     """Refuse keys that are not in ``allowed`` (a typo added with ``+``, say), suggesting the closest allowed key."""
     unknown = sorted(str(k) for k in set(keys) - set(allowed))
     if unknown:
-        hints = [
-            f"`{k}` (did you mean `{m[0]}`?)" if (m := difflib.get_close_matches(k, allowed, 1)) else f"`{k}`"
-            for k in unknown
-        ]
+        hints = [f"`{k}` (did you mean `{m}`?)" if (m := closest(k, allowed)) else f"`{k}`" for k in unknown]
         raise ConfigError(f"Unknown key(s) in {where}: {', '.join(hints)}. Allowed: {', '.join(sorted(allowed))}.")
 
 
@@ -298,9 +301,9 @@ def _typed(schema: type, node: Any, key: str) -> Any:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
-    allowed = {*_GROUPS, "method", "seed", "resume", "objective", "objective_on_test"}
+    allowed = {*GROUPS, "method", "seed", "resume", "objective", "objective_on_test"}
     refuse_unknown(cfg.keys(), sorted(allowed), "the top level")
-    groups = {key: _typed(schema, cfg.get(key), key) for key, schema in _GROUPS.items()}
+    groups = {key: _typed(schema, cfg.get(key), key) for key, schema in GROUPS.items()}
     method_node = cfg.get("method")
     if not isinstance(method_node, DictConfig) or "_target_" not in method_node:
         raise ConfigError("`method` must name a method config with a `_target_`, e.g. `method=finetune`.")
@@ -372,7 +375,7 @@ def as_dict(obj: Any) -> dict[str, Any]:
 def full_config(cfg: RunConfig) -> dict[str, Any]:
     """The whole resolved config as plain data, as the command line would set it: results.json's ``config`` and the
     W&B run's config. It holds no secret: W&B's API key lives in the environment or ~/.netrc, never in the config."""
-    groups = {key: as_dict(getattr(cfg, key)) for key in _GROUPS}
+    groups = {key: as_dict(getattr(cfg, key)) for key in GROUPS}
     method = {"_target_": cfg.method_target, **as_dict(cfg.method)}
-    top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in {*_GROUPS, "method"}}
+    top = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in {*GROUPS, "method"}}
     return {"method": method, **groups, **{k: v for k, v in top.items() if k != "method_target"}}

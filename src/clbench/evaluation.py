@@ -98,8 +98,9 @@ def evaluate(
                 logits = method.predict_scenarios(x, j, scenarios)
             targets = {"til": labels - task.offset, "cil": labels}
             for s, scores in logits.items():
+                as_float = scores.float()
                 for metric in counters[s].values():
-                    metric.update(scores.float(), targets[s])
+                    metric.update(as_float, targets[s])
             if confusion is not None:
                 confusion.update(owner[logits["cil"].argmax(1)], torch.full_like(labels, j))
         for s in scenarios:

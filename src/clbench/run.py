@@ -178,14 +178,15 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     params: list[torch.Tensor],
     model: nn.Module | None = None,
+    mixing: Mixup | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
     surgery, clipping, the optimizer step, the method's constraints. Returns the detached loss (no host sync).
     ``model``: the DDP-wrapped :class:`TaskLoss` of a multi-process run; this rank trains on its share of the
-    batch, its loss weighted so that the averaged gradients are the whole batch's."""
+    batch, its loss weighted so that the averaged gradients are the whole batch's. ``mixing``: the phase's
+    :meth:`Runtime.mixup` (built once per phase, not per step)."""
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
-    mixing = rt.mixup(task)
     if mixing is not None and len(y) % 2 == 0:  # mixed over the whole batch, so each rank's share is one process's rows
         x, y = mixing(rt.train_tf(x_raw), y - task.offset)  # soft targets over the task's classes
         x = x[part]
@@ -267,6 +268,7 @@ def run_task(
         optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
         params = [q for g in optimizer.param_groups for q in g["params"]]
         model = rt.ranks.wrap(TaskLoss(method, task), rt.device) if rt.ranks.size > 1 else None
+        mixing = rt.mixup(task)
         total, warmup = phase.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
         plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -295,7 +297,9 @@ def run_task(
             for batch in range(first_batch, per_epoch):
                 x_raw, y = split.batch(order, batch, cfg.batch_size)
                 method.before_step(task, batch, per_epoch)
-                loss, logs = train_step(method, task, rt, x_raw, y, optimizer=optimizer, params=params, model=model)
+                loss, logs = train_step(
+                    method, task, rt, x_raw, y, optimizer=optimizer, params=params, model=model, mixing=mixing
+                )
                 schedule.step()
                 running += loss
                 epoch_loss += loss
