@@ -50,7 +50,17 @@ def write_five_datasets(root: Path) -> None:
 
 
 def folder_config(root: Path, **kw) -> DataConfig:
-    return DataConfig(name="folder", source="image_folder", folder="ds", tasks=2, root=str(root), store_size=16, **kw)
+    return DataConfig(
+        **{
+            "name": "folder",
+            "source": "image_folder",
+            "folder": "ds",
+            "tasks": 2,
+            "root": str(root),
+            "store_size": 16,
+            **kw,
+        }
+    )
 
 
 def test_image_folder_with_its_own_split(tmp_path: Path) -> None:

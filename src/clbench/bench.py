@@ -153,7 +153,7 @@ def inference_step(args: argparse.Namespace, name: str) -> Steps:
         method.before_task(task)
         finish_untrained(method, task)
     method.eval()
-    x = rt.test_tf(rt.benchmark.train[0].x[: args.batch_size])
+    x = rt.test_tf(rt.benchmark.train[0].batch(None, 0, args.batch_size)[0])
 
     def step() -> None:
         with rt.autocast:

@@ -26,6 +26,9 @@ NOT_A_SETTING = (
     "data.download",
     "data.verify_checksums",
     "data.decode_workers",
+    "data.store",  # the same accuracy matrices from memory or from the on-disk cache (tests/test_stream.py)
+    "data.cache_dir",
+    "data.stream_workers",
 )
 
 

@@ -57,6 +57,12 @@ class DataConfig:
     val_fraction: float = 0.0  # stratified share of each task's training data held out for validation (0: none)
     val_seed: int = 0  # the validation split's own seed: the same split for every training seed
     decode_workers: int = 8  # threads decoding image files
+    # Where the images live while training: device (decoded into memory, moved to the training device) | stream
+    # (decoded once into an on-disk cache, read batch by batch by background workers) | auto (stream when the images
+    # exceed half the device's free memory; says which it chose).
+    store: str = "device"
+    cache_dir: str | None = None  # the on-disk cache of store=stream|auto; null: <root>/clbench-cache
+    stream_workers: int = 4  # store=stream: processes reading batches from the cache (0: in the training process)
     # Train-time augmentation, applied in batches on the device.
     train_crop: str = "pad"  # pad: shift by up to crop_padding px | resized: RandomResizedCrop | none
     crop_padding: int = 4
@@ -107,6 +113,8 @@ class DataConfig:
                 ok, f"data.{key}", value, "an integer in [0, 2**32)" + (" or null" if key == "class_order_seed" else "")
             )
         require(self.decode_workers >= 1, "data.decode_workers", self.decode_workers, "an integer >= 1")
+        require_choice("data.store", self.store, ("device", "stream", "auto"))
+        require(self.stream_workers >= 0, "data.stream_workers", self.stream_workers, "an integer >= 0")
         require(
             self.num_tasks is None or 1 <= self.num_tasks <= self.tasks,
             "data.num_tasks",

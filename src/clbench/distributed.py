@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -45,6 +46,11 @@ class Ranks:
         if lo == hi:
             return slice(0, 1), 0.0
         return slice(lo, hi), (hi - lo) * self.size / n
+
+    def rows(self, mirrored: bool = False) -> ShareRows | None:
+        """What a rank reads of each batch from the on-disk cache: its share (and with ``mirrored``, the rows
+        mixup/cutmix pair with it); None for a single process, which reads every row."""
+        return ShareRows(self, mirrored) if self.size > 1 else None
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over ranks in place."""
@@ -82,6 +88,19 @@ class Ranks:
         flag = torch.tensor([signum or 0], device="cuda" if dist.get_backend() == "nccl" else "cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item()) or None
+
+
+@dataclass(frozen=True)
+class ShareRows:
+    """Batch size -> the positions of the batch a rank reads: its :meth:`Ranks.shard`, and with ``mirrored`` also
+    position ``n - 1 - i`` of each of them, which timm's Mixup mixes into row ``i`` (an odd batch is not mixed)."""
+
+    ranks: Ranks
+    mirrored: bool
+
+    def __call__(self, n: int) -> np.ndarray:
+        share = np.arange(n)[self.ranks.shard(n)[0]]
+        return np.union1d(share, n - 1 - share) if self.mirrored and n % 2 == 0 else share
 
 
 def current() -> Ranks:

@@ -89,7 +89,7 @@ def evaluate(
                 "per_class": hit_counter(widths[s], device, average="none"),
                 **({"top5": hit_counter(widths[s], device, average="micro", top_k=5)} if top5 else {}),
             }
-        for images, batch_labels in data.batches(batch_size, shuffle=False):
+        for images, batch_labels in data.batches(batch_size, rows=ranks.rows()):
             part, weight = ranks.shard(len(batch_labels))
             if weight == 0:
                 continue

@@ -294,8 +294,9 @@ def run_task(
                 torch.zeros((), device=rt.device),
                 time.time(),
             )
-            for batch in range(first_batch, per_epoch):
-                x_raw, y = split.batch(order, batch, cfg.batch_size)
+            rows = rt.ranks.rows(mirrored=mixing is not None)
+            epoch_batches = split.batches(cfg.batch_size, order=order, start=first_batch, rows=rows)
+            for batch, (x_raw, y) in enumerate(epoch_batches, first_batch):
                 method.before_step(task, batch, per_epoch)
                 loss, logs = train_step(
                     method, task, rt, x_raw, y, optimizer=optimizer, params=params, model=model, mixing=mixing
@@ -369,7 +370,7 @@ def observe_pass(
     and ``method.observe`` in eval mode, each rank its share of every batch; then the method's sums are added up over
     the ranks. A stop signal ends it without a checkpoint: resuming repeats the pass from the task's start."""
     method.eval()
-    for x_raw, y in split.batches(rt.cfg.trainer.batch_size, shuffle=False):
+    for x_raw, y in split.batches(rt.cfg.trainer.batch_size, rows=rt.ranks.rows()):
         part, weight = rt.ranks.shard(len(y))
         if weight:
             with rt.autocast:
@@ -388,7 +389,7 @@ def validation_loss(method: Method, task: Task, rt: Runtime) -> float:
     split = rt.benchmark.validation[task.id]
     method.eval()
     total = torch.zeros((), device=rt.device)
-    for x_raw, y in split.batches(rt.cfg.trainer.eval_batch_size, shuffle=False):
+    for x_raw, y in split.batches(rt.cfg.trainer.eval_batch_size, rows=rt.ranks.rows()):
         part, weight = rt.ranks.shard(len(y))
         if weight:
             with rt.autocast:
@@ -441,7 +442,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     """Seed, then build the benchmark (on the device), the backbone, the method and the transforms."""
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed)
-    benchmark = build_benchmark(cfg.data).to(device)
+    benchmark = build_benchmark(cfg.data, device, say)
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
     method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)

@@ -7,16 +7,20 @@ class-order position; results record the original class ids and names of every t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from clbench.config import DataConfig
+from clbench.data.cache import cached_source
 from clbench.data.image_folder import seeded_split
-from clbench.data.sources import SourceData, load_named_source, load_source
+from clbench.data.sources import SourceData, load_named_source
+from clbench.data.stream import DiskImages, Rows
 from clbench.errors import ConfigError
 
 
@@ -36,9 +40,11 @@ class Task:
 
 @dataclass
 class Split:
-    """Images (uint8, N x C x H x W) and global labels of one task."""
+    """Images (uint8, N x C x H x W) and global labels of one task. The images are a tensor on the training device
+    (``data.store=device``) or :class:`DiskImages` read from the on-disk cache batch by batch (``stream``); the labels
+    are always on the device, so the epoch order is drawn alike for both."""
 
-    x: torch.Tensor
+    x: torch.Tensor | DiskImages
     y: torch.Tensor
 
     def __len__(self) -> int:
@@ -49,28 +55,51 @@ class Split:
 
     @staticmethod
     def cat(splits: list[Split]) -> Split:
-        return (
-            splits[0] if len(splits) == 1 else Split(torch.cat([s.x for s in splits]), torch.cat([s.y for s in splits]))
-        )
+        if len(splits) == 1:
+            return splits[0]
+        xs = [s.x for s in splits]
+        x = DiskImages.cat(xs) if isinstance(xs[0], DiskImages) else torch.cat(xs)  # type: ignore[arg-type]
+        return Split(x, torch.cat([s.y for s in splits]))
 
     def num_batches(self, batch_size: int) -> int:
         return -(-len(self) // batch_size)
 
     def permutation(self) -> torch.Tensor:
-        """A fresh epoch order, drawn on the data's device."""
+        """A fresh epoch order, drawn on the labels' device."""
         return torch.randperm(len(self), device=self.y.device)
 
-    def batch(self, order: torch.Tensor | None, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch ``index`` of an epoch in ``order`` (None: the stored order)."""
+    def _positions(self, order: torch.Tensor | None, index: int, batch_size: int) -> torch.Tensor | slice:
         start = index * batch_size
-        idx = order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
+        return order[start : start + batch_size] if order is not None else slice(start, start + batch_size)
+
+    def batch(self, order: torch.Tensor | None, index: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch ``index`` of an epoch in ``order`` (None: the stored order), read at once."""
+        idx = self._positions(order, index, batch_size)
+        if isinstance(self.x, DiskImages):
+            rows = np.arange(len(self))[idx] if isinstance(idx, slice) else idx.cpu().numpy()
+            return self.x.read(rows).to(self.x.device), self.y[idx]
         return self.x[idx], self.y[idx]
 
-    def batches(self, batch_size: int, *, shuffle: bool) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """The batches of one epoch; with ``shuffle``, in a fresh permutation."""
-        order = self.permutation() if shuffle else None
-        for index in range(self.num_batches(batch_size)):
-            yield self.batch(order, index, batch_size)
+    def batches(
+        self,
+        batch_size: int,
+        *,
+        shuffle: bool = False,
+        order: torch.Tensor | None = None,
+        start: int = 0,
+        rows: Rows | None = None,
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """The batches ``start ..`` of one epoch in ``order`` (``shuffle``: a fresh permutation; neither: the stored
+        order). Images on disk are read ahead by background workers, only the ``rows`` of each batch this process
+        uses (the others are zero)."""
+        order = self.permutation() if shuffle else order
+        if not isinstance(self.x, DiskImages):
+            for index in range(start, self.num_batches(batch_size)):
+                yield self.batch(order, index, batch_size)
+            return
+        positions = order.cpu().numpy() if order is not None else np.arange(len(self))
+        for index, x in enumerate(self.x.batches(positions, batch_size, start, rows), start):
+            yield x, self.y[self._positions(order, index, batch_size)]
 
 
 @dataclass
@@ -96,6 +125,25 @@ class Benchmark:
         train, test = [s.to(device) for s in self.train], [s.to(device) for s in self.test]
         return Benchmark(self.name, self.tasks, train, test, self.splits, [s.to(device) for s in self.validation])
 
+    def placed_for(self, device: torch.device, say: Callable[[str], None]) -> Benchmark:
+        """``data.store=auto``: the images in memory (for ``device``) when they take at most half of its free memory,
+        else left in the on-disk cache and streamed; says which and why."""
+        images = [s.x for s in (*self.train, *self.test) if isinstance(s.x, DiskImages)]
+        size, free = sum(x.nbytes for x in images), free_memory(device)
+        fits = size <= free / 2
+        say(
+            f"clbench: data.store=auto: {size / 2**30:.2f} GiB of images, {free / 2**30:.1f} GiB free on {device}: "
+            + ("held on the device" if fits else "streamed from the on-disk cache")
+        )
+        if not fits:
+            return self
+
+        def held(split: Split) -> Split:
+            return Split(split.x.read(np.arange(len(split))), split.y) if isinstance(split.x, DiskImages) else split
+
+        train, test = [held(s) for s in self.train], [held(s) for s in self.test]
+        return Benchmark(self.name, self.tasks, train, test, self.splits)
+
     def hold_out_validation(self, fraction: float, seed: int) -> Benchmark:
         """Move a stratified, seeded ``fraction`` of each class of each task's training data into a validation
         split (at least one image of a class with two or more; :func:`seeded_split`). The split depends on
@@ -108,6 +156,18 @@ class Benchmark:
             counts.append({"task": task.id, "train_images": len(train[-1]), "validation_images": len(validation[-1])})
         record = {"validation": {"fraction": fraction, "seed": seed, "per_task": counts}}
         return Benchmark(self.name, self.tasks, train, self.test, [*self.splits, record], validation)
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free on ``device``: CUDA's free memory, or the host's available memory (Linux's MemAvailable)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+        meminfo = dict(line.split(":", 1) for line in lines)
+        return int(meminfo["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 def class_order(num_classes: int, seed: int | None) -> np.ndarray:
@@ -144,13 +204,17 @@ def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
     return Benchmark(cfg.name, tasks, train, test, [source.split] if source.split else [])
 
 
-def sequence_of_datasets(cfg: DataConfig) -> Benchmark:
+CPU = torch.device("cpu")
+Load = Callable[[str, int | None], SourceData]  # (source name, RGB size or None) -> its data, as the store wants it
+
+
+def sequence_of_datasets(cfg: DataConfig, load: Load) -> Benchmark:
     """One task per dataset of ``cfg.datasets`` (all of its classes, its own train/test split), in that order;
     every dataset stored RGB at ``store_size``. Only the first ``num_tasks`` datasets are loaded."""
     assert cfg.store_size is not None  # checked by DataConfig
     tasks, train, test, splits, offset = [], [], [], [], 0
     for task_id, name in enumerate(cfg.datasets[: cfg.num_tasks or cfg.tasks]):
-        source = load_named_source(name, cfg).as_rgb(cfg.store_size)
+        source = load(name, cfg.store_size)
         n = len(source.class_names)
         tasks.append(Task(task_id, tuple(range(n)), tuple(f"{name}/{c}" for c in source.class_names), offset))
         train.append(Split(source.train_x, source.train_y + offset))
@@ -160,8 +224,25 @@ def sequence_of_datasets(cfg: DataConfig) -> Benchmark:
     return Benchmark(cfg.name, tasks, train, test, splits)
 
 
-def build_benchmark(cfg: DataConfig) -> Benchmark:
-    """Load the configured source(s), make the tasks and hold out the validation split (on the CPU; move them with
-    ``.to(device)``)."""
-    benchmark = sequence_of_datasets(cfg) if cfg.source == "sequence" else split_into_tasks(load_source(cfg), cfg)
-    return benchmark.hold_out_validation(cfg.val_fraction, cfg.val_seed) if cfg.val_fraction else benchmark
+def build_benchmark(
+    cfg: DataConfig,
+    device: torch.device = CPU,
+    say: Callable[[str], None] = print,
+) -> Benchmark:
+    """Load the configured source(s), make the tasks, hold out the validation split and put the images where
+    ``data.store`` says: in memory (then ``.to(device)`` moves them) or in the on-disk cache, streamed to ``device``."""
+
+    def load(name: str, rgb_size: int | None) -> SourceData:
+        if cfg.store == "device":
+            source = load_named_source(name, cfg)
+            return (source.as_rgb(rgb_size) if rgb_size else source).decoded()
+        return cached_source(name, cfg, lambda: load_named_source(name, cfg), rgb_size, say)
+
+    if cfg.source == "sequence":
+        benchmark = sequence_of_datasets(cfg, load)
+    else:
+        benchmark = split_into_tasks(load(cfg.folder if cfg.source == "image_folder" else cfg.source, None), cfg)
+    if cfg.store == "auto":
+        benchmark = benchmark.placed_for(device, say)
+    benchmark = benchmark.hold_out_validation(cfg.val_fraction, cfg.val_seed) if cfg.val_fraction else benchmark
+    return benchmark.to(device)

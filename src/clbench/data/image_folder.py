@@ -1,4 +1,4 @@
-"""Datasets stored as image folders (one sub-folder per class), read once into uint8 tensors.
+"""Datasets stored as image folders (one sub-folder per class), decoded once into uint8 images.
 
 Layouts under ``<data.root>/<folder>``:
 - ``train/<class>/*`` and ``test/<class>/*``: the dataset's own split (CUB-200, Stanford Cars, ...);
@@ -11,13 +11,12 @@ to ``data.store_size``: the device-side transforms do the rest per batch.
 from __future__ import annotations
 
 import hashlib
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from clbench.data.decoding import LazyImages
 from clbench.errors import DataError
 
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp"}
@@ -44,16 +43,14 @@ def load_image(path: Path, size: int) -> np.ndarray:
     try:
         with Image.open(path) as img:
             square = ImageOps.fit(img.convert("RGB"), (size, size), method=Image.Resampling.BICUBIC)
-            return np.asarray(square, dtype=np.uint8).transpose(2, 0, 1)
+            return np.array(square, dtype=np.uint8).transpose(2, 0, 1)  # a copy: writable
     except (OSError, UnidentifiedImageError) as err:
         raise DataError(f"Could not read the image {path} ({err}); remove or replace the file.") from None
 
 
-def load_images(files: list[Path], size: int, workers: int) -> torch.Tensor:
-    if not files:
-        return torch.zeros(0, 3, size, size, dtype=torch.uint8)
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        return torch.from_numpy(np.stack(list(pool.map(lambda f: load_image(f, size), files))))
+def load_images(files: list[Path], size: int, workers: int) -> LazyImages:
+    """The images of ``files`` as :func:`load_image` decodes them, on demand."""
+    return LazyImages(len(files), size, workers, lambda i: load_image(files[i], size))
 
 
 def seeded_split(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:

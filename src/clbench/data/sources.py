@@ -29,6 +29,7 @@ from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive, download_url
 
 from clbench.config import DataConfig
+from clbench.data.decoding import LazyImages, materialized
 from clbench.data.image_folder import list_classes, list_images, load_images, seeded_split, split_digest
 from clbench.errors import DataError
 
@@ -37,17 +38,21 @@ from clbench.errors import DataError
 class SourceData:
     """A whole labelled dataset before it is split into tasks."""
 
-    train_x: torch.Tensor  # uint8 (N, C, H, W)
+    train_x: torch.Tensor | LazyImages  # uint8 (N, C, H, W); image files are decoded on demand
     train_y: torch.Tensor  # int64 original labels
-    test_x: torch.Tensor
+    test_x: torch.Tensor | LazyImages
     test_y: torch.Tensor
     class_names: list[str]
     split: dict[str, Any] | None = None  # how a seeded train/test split was made (recorded in results.json)
 
     def as_rgb(self, size: int) -> SourceData:
-        """Three channels at size x size (antialiased resize), so that datasets of a sequence stack alike."""
+        """Three channels at size x size (antialiased resize), so that datasets of a sequence stack alike. Image files
+        are decoded that way already."""
 
-        def convert(x: torch.Tensor) -> torch.Tensor:
+        def convert(x: torch.Tensor | LazyImages) -> torch.Tensor | LazyImages:
+            if isinstance(x, LazyImages):
+                assert x.shape[1:] == (3, size, size)
+                return x
             x = x.expand(-1, 3, -1, -1) if x.shape[1] == 1 else x
             if x.shape[-2:] == (size, size):
                 return x.contiguous()
@@ -63,6 +68,11 @@ class SourceData:
         return SourceData(
             convert(self.train_x), self.train_y, convert(self.test_x), self.test_y, self.class_names, self.split
         )
+
+    def decoded(self) -> SourceData:
+        """The same data with every image decoded into a tensor."""
+        x = materialized(self.train_x), materialized(self.test_x)
+        return SourceData(x[0], self.train_y, x[1], self.test_y, self.class_names, self.split)
 
 
 def load_digits_source() -> SourceData:
@@ -355,11 +365,18 @@ def _torchvision_reader(name: str, verify: bool) -> type:
     )
 
 
-def load_torchvision_source(name: str, cfg: DataConfig) -> SourceData:
-    """A :data:`TORCHVISION_SETS` dataset through torchvision's own reader; images (of any size) decoded once, in
-    ``data.decode_workers`` threads, straight to ``data.store_size`` squares."""
-    from concurrent.futures import ThreadPoolExecutor
+def dataset_targets(dataset: Any) -> list[int]:
+    """The labels of a torchvision dataset without decoding its images (each reader keeps them its own way)."""
+    if hasattr(dataset, "_samples"):  # GTSRB, StanfordCars
+        return [int(target) for _, target in dataset._samples]
+    if hasattr(dataset, "_labels"):  # Flowers102
+        return [int(target) for target in dataset._labels]
+    return [int(target) for target in dataset.targets]  # ImageFolder-based readers
 
+
+def load_torchvision_source(name: str, cfg: DataConfig) -> SourceData:
+    """A :data:`TORCHVISION_SETS` dataset through torchvision's own reader; its images (of any size) are decoded on
+    demand, in ``data.decode_workers`` threads, straight to ``data.store_size`` squares."""
     from torchvision.transforms import v2
 
     spec, size = TORCHVISION_SETS[name], cfg.store_size
@@ -368,10 +385,10 @@ def load_torchvision_source(name: str, cfg: DataConfig) -> SourceData:
     reader = _torchvision_reader(name, cfg.verify_checksums)
     out, classes = [], None
     for splits in (spec.train_splits, ("test",)):
-        pairs = []
+        datasets = []
         for split in splits:
             try:
-                dataset = reader(cfg.root, split=split, transform=decode, download=cfg.download)
+                datasets.append(reader(cfg.root, split=split, transform=decode, download=cfg.download))
             except Exception as err:  # missing files (RuntimeError), failed checksums or downloads
                 raise DataError(
                     f"{name}'s {split} split cannot be read under {Path(cfg.root).expanduser()} "
@@ -379,12 +396,12 @@ def load_torchvision_source(name: str, cfg: DataConfig) -> SourceData:
                     f"folder {name}/{{train,test}}/<class>/*"
                     + (" (data.download=true fetches it)." if not cfg.download else ".")
                 ) from None
-            with ThreadPoolExecutor(cfg.decode_workers) as pool:
-                pairs += list(pool.map(dataset.__getitem__, range(len(dataset))))
-            classes = classes or getattr(dataset, "classes", None)
-        if not pairs:
+            classes = classes or getattr(datasets[-1], "classes", None)
+        items = [(d, i) for d in datasets for i in range(len(d))]
+        if not items:
             raise DataError(f"{name}'s {'/'.join(splits)} split under {cfg.root} holds no images.")
-        out += [torch.stack([x for x, _ in pairs]), torch.tensor([y for _, y in pairs], dtype=torch.long)]
+        out += [LazyImages(len(items), size, cfg.decode_workers, lambda i, items=items: items[i][0][items[i][1]][0])]
+        out += [torch.tensor([t for d in datasets for t in dataset_targets(d)], dtype=torch.long)]
     num_classes = int(max(out[1].max(), out[3].max())) + 1
     return SourceData(*out, list(classes or [f"{name}_{i}" for i in range(num_classes)]))
 
@@ -426,21 +443,29 @@ def load_cub200_source(cfg: DataConfig) -> SourceData:
     return SourceData(*out, [names[k].strip() for k in sorted(names, key=int)])
 
 
+def own_split(folder: Path) -> tuple[Path, Path] | None:
+    """The (train, test) sub-folders of a dataset that ships its own split: ``train`` and ``test``, or ``train`` and
+    ``val`` (ImageNet's layout, whose validation set is the test set of SplitImageNet and most CL papers)."""
+    test = next((folder / n for n in ("test", "val") if (folder / n).is_dir()), None)
+    return (folder / "train", test) if test is not None and (folder / "train").is_dir() else None
+
+
 def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
     """An image-folder dataset with its own train/test split, or split per class with ``data.split_seed``."""
     folder = Path(cfg.root).expanduser() / folder_name
     if not folder.is_dir():
         raise DataError(
-            f"The image folder {folder} does not exist. Expected {folder}/train/<class>/* and {folder}/test/<class>/*, "
+            f"The image folder {folder} does not exist. Expected {folder}/train/<class>/* and {folder}/test/<class>/* "
+            f"(or {folder}/val/<class>/*), "
             f"or {folder}/<class>/* (then split with data.split_seed); point data.root at the folder holding "
             f"{folder_name}/."
         )
     assert cfg.store_size is not None  # checked by DataConfig
     split = None
-    if (folder / "train").is_dir() and (folder / "test").is_dir():
-        classes = list_classes(folder / "train")
-        train_files, train_y = list_images(folder / "train", classes)
-        test_files, test_y = list_images(folder / "test", classes)
+    if own := own_split(folder):
+        classes = list_classes(own[0])
+        train_files, train_y = list_images(own[0], classes)
+        test_files, test_y = list_images(own[1], classes)
     else:
         classes = list_classes(folder)
         files, labels = list_images(folder, classes)
@@ -475,19 +500,35 @@ BUILT_IN: dict[str, Callable[[DataConfig], SourceData]] = {
 }
 
 
+# Where each built-in source's files are, under data.root: what the on-disk cache fingerprints.
+SOURCE_FOLDERS = {
+    "cifar10": CIFAR10.base_folder,
+    "cifar100": CIFAR100.base_folder,
+    "mnist": "MNIST/raw",
+    "fashion_mnist": "FashionMNIST/raw",
+    "svhn": "svhn",
+    "gtsrb": "gtsrb",
+    "flowers102": "flowers-102",
+    "stanford_cars": "stanford_cars",
+    "cub200": "CUB_200_2011",
+}
+
+
+def reads_folder(name: str, cfg: DataConfig) -> bool:
+    """Whether ``name`` is read as an image folder ``<root>/<name>``: one with its own split takes precedence over a
+    built-in reader (e.g. Piggyback's cropped copies of CUB-200 or Stanford Cars); a name that is no built-in is one."""
+    return name not in BUILT_IN or own_split(Path(cfg.root).expanduser() / name) is not None
+
+
+def source_folder(name: str, cfg: DataConfig) -> Path | None:
+    """The folder holding the files source ``name`` is read from (None: digits and synthetic, made without files)."""
+    root = Path(cfg.root).expanduser()
+    if reads_folder(name, cfg):
+        return root / name
+    return root / SOURCE_FOLDERS[name] if name in SOURCE_FOLDERS else None
+
+
 def load_named_source(name: str, cfg: DataConfig) -> SourceData:
-    """A dataset by name: an image folder ``<root>/<name>/{train,test}/<class>/*`` where there is one (e.g.
-    Piggyback's cropped copies of CUB-200 or Stanford Cars), else the built-in reader of that name (the dataset's
-    official layout), else an image folder ``<root>/<name>``."""
-    folder = Path(cfg.root).expanduser() / name
-    loader = BUILT_IN.get(name)
-    if loader is None or ((folder / "train").is_dir() and (folder / "test").is_dir()):
-        return load_image_folder_source(name, cfg)
-    return loader(cfg)
-
-
-def load_source(cfg: DataConfig) -> SourceData:
-    """The single source of a class-split benchmark."""
-    name = cfg.folder if cfg.source == "image_folder" else cfg.source
-    assert name is not None  # checked by DataConfig
-    return load_named_source(name, cfg)
+    """A dataset by name: an image folder ``<root>/<name>`` where :func:`reads_folder` says so, else the built-in
+    reader of that name (the dataset's official layout)."""
+    return load_image_folder_source(name, cfg) if reads_folder(name, cfg) else BUILT_IN[name](cfg)

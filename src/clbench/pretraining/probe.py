@@ -14,6 +14,7 @@ import torch
 from sklearn.linear_model import LogisticRegression
 
 from clbench.config import RunConfig
+from clbench.data import Split
 from clbench.run import build_runtime
 
 
@@ -23,11 +24,13 @@ def frozen_features(cfg: RunConfig) -> list[tuple[torch.Tensor, ...]]:
     method, rt = build_runtime(cfg)
     vit = method.backbone.eval()
 
-    def features(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([vit.forward_head(vit.forward_features(rt.test_tf(b)), pre_logits=True) for b in x.split(256)])
+    def features(split: Split) -> torch.Tensor:
+        return torch.cat(
+            [vit.forward_head(vit.forward_features(rt.test_tf(x)), pre_logits=True) for x, _ in split.batches(256)]
+        )
 
     return [
-        (features(train.x), train.y, features(test.x), test.y)
+        (features(train), train.y, features(test), test.y)
         for train, test in zip(rt.benchmark.train, rt.benchmark.test, strict=True)
     ]
 

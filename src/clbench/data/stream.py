@@ -1,0 +1,144 @@
+"""Images that stay on disk (``data.store=stream``): rows of the cache's memory-mapped ``.npy`` arrays, read batch by
+batch by DataLoader worker processes into pinned memory and copied to the device one batch ahead of the step, on a
+side CUDA stream. A rank of a multi-process run reads only the rows of each batch it trains on.
+
+The epoch order is drawn exactly as for images held on the device (``torch.randperm`` on the labels' device), and the
+device-side augmentation is the same, so both stores give the same numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+Rows = Callable[[int], np.ndarray | None]  # batch size -> the positions in the batch this process reads (None: all)
+
+
+@cache
+def _array(path: str) -> np.ndarray:
+    """A cache array, memory-mapped once per process (DataLoader workers inherit or open their own)."""
+    return np.load(path, mmap_mode="r")
+
+
+@dataclass(frozen=True, eq=False)
+class DiskImages:
+    """Images (uint8, C x H x W each) kept in ``.npy`` arrays: image ``i`` is row ``row[i]`` of ``files[part[i]]``.
+    Indexes and concatenates like a tensor without reading a pixel; ``device`` is where batches go,
+    ``workers`` the DataLoader processes that read them."""
+
+    files: tuple[str, ...]
+    part: np.ndarray
+    row: np.ndarray
+    image_shape: tuple[int, ...]
+    workers: int = 0
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
+
+    @staticmethod
+    def whole(path: Path, shape: tuple[int, ...], workers: int) -> DiskImages:
+        n = shape[0]
+        return DiskImages((str(path),), np.zeros(n, np.int16), np.arange(n, dtype=np.int64), tuple(shape[1:]), workers)
+
+    def __len__(self) -> int:
+        return len(self.row)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self), *self.image_shape)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self) * int(np.prod(self.image_shape))
+
+    def __getitem__(self, index: torch.Tensor | np.ndarray | slice) -> DiskImages:
+        """The images at ``index`` (a boolean mask, positions or a slice), still on disk."""
+        index = index.cpu().numpy() if isinstance(index, torch.Tensor) else index
+        return replace(self, part=self.part[index], row=self.row[index])
+
+    def contiguous(self) -> DiskImages:
+        return self
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> DiskImages:
+        """Batches will be delivered to ``device``; nothing moves now."""
+        return replace(self, device=device)
+
+    @staticmethod
+    def cat(parts: list[DiskImages]) -> DiskImages:
+        files = tuple(dict.fromkeys(f for p in parts for f in p.files))
+        part = [np.asarray([files.index(f) for f in p.files], np.int16)[p.part] for p in parts]
+        return replace(parts[0], files=files, part=np.concatenate(part), row=np.concatenate([p.row for p in parts]))
+
+    def read(self, positions: np.ndarray) -> torch.Tensor:
+        """The images at ``positions`` from disk, in that order (each array's rows read in ascending order)."""
+        out = np.empty((len(positions), *self.image_shape), dtype=np.uint8)
+        parts, rows = self.part[positions], self.row[positions]
+        for p in np.unique(parts):
+            where = np.flatnonzero(parts == p)
+            ascending = where[np.argsort(rows[where], kind="stable")]
+            out[ascending] = _array(self.files[p])[rows[ascending]]
+        return torch.from_numpy(out)
+
+    def batches(
+        self, order: np.ndarray, batch_size: int, start: int = 0, rows: Rows | None = None
+    ) -> Iterator[torch.Tensor]:
+        """Batches ``start ..`` of the epoch in ``order`` on ``device``, read ahead by the workers. With ``rows``, only
+        those positions of each batch are read; the others are zero."""
+        reader = BatchReader(self, order, batch_size, start, rows)
+        loader = DataLoader(
+            reader,
+            batch_size=None,
+            num_workers=self.workers,
+            pin_memory=self.device.type == "cuda",
+            generator=torch.Generator(),  # DataLoader seeds its workers from this, not from the global generator
+            **({"prefetch_factor": 4} if self.workers else {}),
+        )
+        for b, part in enumerate(ahead_on(self.device, loader), start):
+            n = min(batch_size, len(order) - b * batch_size)
+            positions = rows(n) if rows is not None else None
+            if positions is None:
+                yield part
+            else:
+                full = torch.zeros((n, *self.image_shape), dtype=torch.uint8, device=self.device)
+                full[torch.from_numpy(positions).to(self.device)] = part
+                yield full
+
+
+class BatchReader(Dataset):
+    """Item ``i``: batch ``start + i`` of the epoch in ``order`` (the positions ``rows`` names, or all of them)."""
+
+    def __init__(self, images: DiskImages, order: np.ndarray, batch_size: int, start: int, rows: Rows | None) -> None:
+        self.images, self.order, self.batch_size, self.start, self.rows = images, order, batch_size, start, rows
+
+    def __len__(self) -> int:
+        return max(0, -(-len(self.order) // self.batch_size) - self.start)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        lo = (self.start + i) * self.batch_size
+        batch = self.order[lo : lo + self.batch_size]
+        positions = self.rows(len(batch)) if self.rows is not None else None
+        return self.images.read(batch if positions is None else batch[positions])
+
+
+def ahead_on(device: torch.device, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:
+    """``batches`` on ``device``; on CUDA each is copied on a side stream while the step before it runs."""
+    if device.type != "cuda":
+        yield from (b.to(device) for b in batches)
+        return
+    side, pending = torch.cuda.Stream(device), None
+    for b in batches:
+        with torch.cuda.stream(side):
+            copied = b.to(device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        if pending is not None:
+            yield pending
+        torch.cuda.current_stream(device).wait_event(done)
+        copied.record_stream(torch.cuda.current_stream(device))
+        pending = copied
+    if pending is not None:
+        yield pending

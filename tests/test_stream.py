@@ -1,0 +1,205 @@
+"""The streaming store (data.store=stream): the on-disk cache (built once, rebuilt when the source changes, safe under
+concurrent builds, refused when damaged), batches identical to the device store's, a rank reading only its share, and
+whole runs (single process, resumed mid-epoch, two gloo ranks) with the device store's accuracy matrices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from clbench import run as run_module
+from clbench.config import DataConfig
+from clbench.data import benchmark as benchmark_module
+from clbench.data import build_benchmark
+from clbench.data import sources as sources_module
+from clbench.data.stream import DiskImages
+from clbench.distributed import Ranks
+from clbench.errors import DataError
+from clbench.run import train
+from conftest import TINY, run_command, tiny_config
+from test_folders import folder_config, write_image_folder
+from test_resume import matrices
+
+
+def stream_config(root: Path, **kw) -> DataConfig:
+    """A class split of a PNG image folder (own train/test split), cached under ``root/cache``."""
+    return folder_config(root, cache_dir=str(root / "cache"), **kw)
+
+
+@pytest.fixture
+def folder(tmp_path: Path) -> Path:
+    write_image_folder(tmp_path / "ds", [f"c{i}" for i in range(4)], 6, split=True)
+    return tmp_path
+
+
+def epoch(split, seed: int, **kw) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(seed)
+    return list(split.batches(4, shuffle=True, **kw))
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_streamed_batches_are_the_device_stores(folder: Path, workers: int) -> None:
+    held = build_benchmark(stream_config(folder))
+    streamed = build_benchmark(stream_config(folder, store="stream", stream_workers=workers))
+    assert isinstance(streamed.train[0].x, DiskImages) and isinstance(held.train[0].x, torch.Tensor)
+    assert streamed.channels == held.channels == 3
+    for a, b in zip([*held.train, *held.test], [*streamed.train, *streamed.test], strict=True):
+        one, other = epoch(a, 0), epoch(b, 0)  # the same seed: the same permutation, the same pixels
+        assert len(one) == len(other) == a.num_batches(4)
+        for (xa, ya), (xb, yb) in zip(one, other, strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+        order = a.permutation()
+        assert torch.equal(a.batch(order, 1, 4)[0], b.batch(order, 1, 4)[0])  # random access too
+        resumed = list(b.batches(4, order=order, start=1))  # an epoch continued from its second batch
+        assert [torch.equal(x, a.batch(order, i + 1, 4)[0]) for i, (x, _) in enumerate(resumed)] == [True] * len(
+            resumed
+        )
+
+
+def test_a_rank_reads_only_its_share_of_each_batch(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    held = build_benchmark(stream_config(folder)).train[0]
+    streamed = build_benchmark(stream_config(folder, store="stream", stream_workers=0)).train[0]  # read here
+    read: list[int] = []
+    real = DiskImages.read
+    monkeypatch.setattr(DiskImages, "read", lambda self, rows: read.append(len(rows)) or real(self, rows))
+    full, share = epoch(held, 3), epoch(streamed, 3, rows=Ranks(1, 4).rows())
+    assert read == [1] * len(full)  # batches of 4 over 4 ranks: rank 1 reads one image of each
+    for (x, _), (part, _) in zip(full, share, strict=True):
+        assert torch.equal(part[1], x[1]) and not part[:1].any() and not part[2:].any()  # zeros: never read
+    read.clear()
+    epoch(streamed, 3, rows=Ranks(1, 4).rows(mirrored=True))  # mixup pairs row i with row n - 1 - i
+    assert read == [2] * len(full)
+    assert list(Ranks(1, 4).rows(mirrored=True)(4)) == [1, 2] and list(Ranks(0, 2).rows()(5)) == [0, 1, 2]
+    assert Ranks().rows() is None  # one process reads every row
+
+
+def test_the_cache_is_built_once_and_again_when_the_source_changes(
+    folder: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    loads: list[str] = []
+    real = sources_module.load_image_folder_source
+    monkeypatch.setattr(sources_module, "load_image_folder_source", lambda *a: loads.append(a[0]) or real(*a))
+    cfg = stream_config(folder, store="stream")
+    first = build_benchmark(cfg)
+    again = build_benchmark(cfg)
+    assert loads == ["ds"]  # decoded once; the second run reads the cache
+    assert first.train[0].x.files == again.train[0].x.files
+    (folder / "ds" / "train" / "c0" / "1.png").unlink()  # the source changes: a new cache, built anew
+    changed = build_benchmark(cfg)
+    assert loads == ["ds", "ds"] and changed.train[0].x.files != first.train[0].x.files
+    assert sum(len(s) for s in changed.train) == sum(len(s) for s in first.train) - 1
+    other = build_benchmark(stream_config(folder, store="stream", store_size=8))  # another storage resolution
+    assert other.train[0].x.image_shape == (3, 8, 8) and len(loads) == 3
+
+
+def test_two_jobs_building_the_same_cache_at_once_build_it_once(folder: Path) -> None:
+    script = f"""
+from clbench.data import build_benchmark
+from test_stream import stream_config
+from pathlib import Path
+bench = build_benchmark(stream_config(Path({str(folder)!r}), store="stream"))
+print("images", sum(len(s) for s in bench.train))
+"""
+    env = {"PYTHONPATH": os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", script], env={**os.environ, **env}, stdout=-1, stderr=-1, text=True)
+        for _ in range(2)
+    ]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum(out.count("decoding ds once") for out, _ in outs) == 1  # one job built it, the other waited
+    assert all("images 20" in out for out, _ in outs)
+    assert [p.name for p in (folder / "cache").iterdir() if p.is_dir()] == [
+        p.name for p in (folder / "cache").glob("ds-*") if p.is_dir()
+    ]  # no partial folder left
+
+
+def test_a_killed_build_is_redone_and_a_damaged_cache_refused(folder: Path) -> None:
+    cfg = stream_config(folder, store="stream")
+    cache = build_benchmark(cfg).train[0].x.files[0]
+    built = Path(cache).parent
+    partial = built.with_name(built.name + ".partial")
+    built.rename(partial)  # as a build killed before its last step leaves it
+    (partial / "meta.json").unlink()
+    again = build_benchmark(cfg)
+    assert Path(again.train[0].x.files[0]).parent == built and not partial.exists()
+    with open(built / "train_x.npy", "r+b") as f:  # truncated
+        f.truncate(200)
+    with pytest.raises(DataError, match=r"image cache .* is damaged.*Delete that folder"):
+        build_benchmark(cfg)
+
+
+def test_auto_streams_only_what_does_not_fit(folder: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    held = build_benchmark(stream_config(folder, store="auto"))
+    assert isinstance(held.train[0].x, torch.Tensor)
+    assert "held on the device" in capsys.readouterr().out
+    monkeypatch.setattr(benchmark_module, "free_memory", lambda device: 1000)
+    streamed = build_benchmark(stream_config(folder, store="auto", val_fraction=0.5))
+    assert isinstance(streamed.train[0].x, DiskImages) and len(streamed.validation[0]) > 0
+    assert "streamed from the on-disk cache" in capsys.readouterr().out
+    assert torch.equal(epoch(held.test[1], 0)[0][0], epoch(streamed.test[1], 0)[0][0])
+
+
+STREAM = ("data.store=stream", "data.stream_workers=2", "data.val_fraction=0.2", "trainer.checkpoint_every=1")
+
+
+def test_a_streamed_run_and_its_resume_match_the_device_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    overrides = ("method=meat", *STREAM[2:])
+    train(tiny_config(*overrides), tmp_path / "device")
+    expected = matrices(tmp_path / "device" / "results.json")
+    train(tiny_config(*overrides, *STREAM[:2], cache), tmp_path / "stream")
+    assert matrices(tmp_path / "stream" / "results.json") == expected
+    assert json.loads((tmp_path / "stream" / "results.json").read_text())["config"]["data"]["store"] == "stream"
+
+    calls = {"n": 0}
+    real = run_module.train_step
+
+    def crashing(*args, **kwargs):  # task 0, in the middle of its second epoch
+        calls["n"] += 1
+        if calls["n"] == 6:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run_module, "train_step", crashing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(tiny_config(*overrides, *STREAM[:2], cache), tmp_path / "cut")
+    monkeypatch.undo()
+    train(tiny_config(*overrides, *STREAM[:2], cache, "resume=true"), tmp_path / "cut")
+    assert matrices(tmp_path / "cut" / "results.json") == expected
+
+
+def test_two_gloo_ranks_streaming_their_shares_match_one_process(tmp_path: Path) -> None:
+    overrides = (*TINY, "trainer.batch_size=33", "data.val_fraction=0.2")
+    one = run_command(sys.executable, "-m", "clbench", *overrides, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    stream = ("data.store=stream", f"data.cache_dir={tmp_path / 'cache'}", "data.stream_workers=1")
+    two = run_command(
+        str(torchrun),
+        "--nproc_per_node=2",
+        "-m",
+        "clbench",
+        *overrides,
+        *stream,
+        f"hydra.run.dir={tmp_path / 'two'}",
+        cwd=tmp_path,
+    )
+    assert two.returncode == 0, two.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
+    assert b["status"] == "finished" and b["config"]["data"]["store"] == "stream"
+    for s in ("til", "cil"):  # as two ranks on the device store: one test image of tolerance, measured identical
+        for row_a, row_b in zip(a["acc_matrix"][s], b["acc_matrix"][s], strict=True):
+            assert all(x == y or abs(x - y) <= 5.0 for x, y in zip(row_a, row_b, strict=True) if x is not None)
+    assert np.allclose(
+        [v for row in a["validation"]["acc_matrix"]["til"] for v in row if v is not None],
+        [v for row in b["validation"]["acc_matrix"]["til"] for v in row if v is not None],
+        atol=5.0,
+    )
