@@ -67,3 +67,28 @@ def test_the_median_round_is_kept() -> None:
     assert median_round(rounds)["step_ms"] == 20.0
     assert median_round([{"name": "a", "error": "x"}, {"name": "a", "step_ms": 5.0}])["step_ms"] == 5.0
     assert "error" in median_round([{"name": "a", "error": "x"}])
+
+
+def test_the_data_entries_time_the_stream_against_imagefolder(tmp_path) -> None:
+    from clbench.bench_data import prepare
+
+    args = parse([*TINY, "--workers", "0", "--data-images", "60", "--data-dir", str(tmp_path)])
+    prepare(args)
+    entries = {name: measure(args, name) for name in ("data/stream", "reference/imagefolder", "finetune/stream")}
+    assert all(e["images_per_s"] > 0 and e["mfu"] is None for e in entries.values())
+    assert entries["data/stream"]["gflops_per_step"] == 0  # a data entry: no model
+    wait = entries["finetune/stream"]["data_ms"]  # the step's wait for its streamed batch, a part of the step
+    assert wait is not None and 0 <= wait < entries["finetune/stream"]["step_ms"]
+    assert list((tmp_path / "cache").glob("jpegs-*/train_x.npy"))  # streamed from the cache of the same JPEGs
+
+
+def test_streaming_memory_stays_flat_while_the_device_store_grows(tmp_path, monkeypatch) -> None:
+    """The memory entries with a 100-image unit: the held store's peak grows by the images it holds, the stream's
+    not (it holds one batch)."""
+    from clbench import bench_data
+
+    monkeypatch.setattr(bench_data, "TEST_SET", 2000)
+    args = parse([*TINY, "--data-dir", str(tmp_path)])
+    peak = {name: measure(args, name)["peak_mem_mb"] for name in ("data/stream_x10", "data/device_x10")}
+    held = 10 * 2000 * 3 * 32 * 32 / 2**20  # MiB of images the device store keeps
+    assert peak["data/device_x10"] - peak["data/stream_x10"] > 0.8 * held

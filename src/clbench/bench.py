@@ -24,8 +24,10 @@ import argparse
 import json
 import multiprocessing as mp
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -102,18 +104,23 @@ def overrides(args: argparse.Namespace, method: str, tasks: int = 1) -> list[str
     ]
 
 
-Steps = tuple[Callable[[], Any], Callable[[], Any] | None, torch.device]  # (step, its data part or None, device)
+# (step, its data part: timed alone, or the waits recorded during the step; or None, device)
+Steps = tuple[Callable[[], Any], Any, torch.device]
 
 
-def method_step(args: argparse.Namespace, name: str) -> Steps:
+def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()) -> Steps:
+    """A method's training step on a fixed batch of the synthetic benchmark, and its data part (fetch + augment).
+    With ``extra`` overrides that stream the data (``finetune/stream``), each step takes the next streamed batch and
+    the data part is the time it waited for it (:class:`clbench.bench_data.Waits`)."""
     from hydra import compose, initialize_config_dir
 
+    from clbench.bench_data import Waits
     from clbench.cli import config_dir
     from clbench.config import validate
     from clbench.run import build_optimizer, build_runtime, train_step
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = validate(compose("config", overrides=overrides(args, name)))
+        cfg = validate(compose("config", overrides=[*overrides(args, name), *extra]))
     method, rt = build_runtime(cfg)
     task = rt.benchmark.tasks[0]
     method.before_task(task)
@@ -125,16 +132,17 @@ def method_step(args: argparse.Namespace, name: str) -> Steps:
     order = split.permutation()
     method.train()
     batches = split.num_batches(args.batch_size)
+    waits = Waits(split, args.batch_size) if extra else None
 
     def step() -> None:  # what the loop does per batch
-        x, y = split.batch(order, 0, args.batch_size)
+        x, y = waits.next() if waits else split.batch(order, 0, args.batch_size)
         method.before_step(task, 0, batches)
         train_step(method, task, rt, x, y, optimizer=optimizer, params=params)
 
     def data() -> None:
         rt.train_tf(split.batch(order, 0, args.batch_size)[0])
 
-    return step, data, rt.device
+    return step, waits or data, rt.device
 
 
 def inference_step(args: argparse.Namespace, name: str) -> Steps:
@@ -214,14 +222,26 @@ def reference_step(args: argparse.Namespace, name: str) -> Steps:
 def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
     """One entry, measured in this process (run in a fresh one by :func:`main`)."""
     torch.manual_seed(0)
-    build = reference_step if name in REFERENCES else inference_step if name in INFERENCE else method_step
+    from clbench import bench_data
+
+    if name in bench_data.ENTRIES:
+        build = bench_data.build
+    else:
+        build = reference_step if name in REFERENCES else inference_step if name in INFERENCE else method_step
     step, data, device = build(args, name)
+    if name in bench_data.MEMORY:
+        bench_data.AnonPeak.reset()
     seconds = timed(step, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
-    data_s = timed(data, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats) if data else None
-    flops = step_flops(step)
+    if isinstance(data, bench_data.Waits):
+        data_s = data.mean(args.steps * args.repeats)
+    else:
+        data_s = timed(data, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats) if data else None
+    flops = 0 if name in bench_data.ENTRIES and name != "finetune/stream" else step_flops(step)
     peak = peak_flops(device, args.peak_flops)
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device) / 2**20
+    elif name in bench_data.MEMORY:
+        peak_mem = bench_data.AnonPeak.peak
     else:
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {
@@ -281,27 +301,51 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
     )
     parser.add_argument("--peak-flops", type=float, default=None, help="the device's dense bf16 peak (FLOP/s) for MFU")
-    also = ", ".join(INFERENCE)
-    parser.add_argument("--methods", nargs="+", default=[*METHODS, *REFERENCES], help=f"entries (also {also})")
+    from clbench.bench_data import DATA, MEMORY
+
+    also = ", ".join((*INFERENCE, *MEMORY))
+    parser.add_argument("--methods", nargs="+", default=[*METHODS, *REFERENCES, *DATA], help=f"entries (also {also})")
+    parser.add_argument("--workers", type=int, default=4, help="data entries: loader worker processes (both paths)")
+    parser.add_argument("--data-images", type=int, default=4096, help="data entries: JPEGs in the bench's folder")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="data entries' files, kept for the next bench (default: a temporary folder, removed at the end)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     args = parser.parse_args(argv)
-    unknown = set(args.methods) - {*METHODS, *REFERENCES, *INFERENCE}
+    known = [*METHODS, *REFERENCES, *INFERENCE, *DATA, *MEMORY]
+    unknown = set(args.methods) - set(known)
     if unknown:
-        parser.error(f"unknown entries {sorted(unknown)}; choose from {[*METHODS, *REFERENCES, *INFERENCE]}")
+        parser.error(f"unknown entries {sorted(unknown)}; choose from {known}")
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    keep = args.data_dir is not None
+    args.data_dir = (args.data_dir or Path(tempfile.mkdtemp(prefix="clbench-bench-"))).resolve()
+    try:
+        run_entries(args)
+    finally:
+        if not keep:
+            shutil.rmtree(args.data_dir, ignore_errors=True)
+
+
+def run_entries(args: argparse.Namespace) -> None:
     from rich.table import Table
 
+    from clbench.bench_data import DATA, prepare
     from clbench.files import write_atomic
     from clbench.tracking import console
 
-    args = parse(argv)
+    if set(args.methods) & set(DATA):
+        prepare(args)
     ctx = mp.get_context("spawn")
     rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.methods}
     for r in range(args.rounds):
