@@ -213,3 +213,35 @@ def test_an_image_folder_with_train_and_test_takes_precedence_over_an_official_l
         DataConfig(name="s", source="sequence", datasets=["cub200"], tasks=1, root=str(tmp_path), store_size=16)
     )
     assert bench.tasks[0].class_names == ("cub200/x", "cub200/y")
+
+
+def write_imagenet(root: Path, classes: int = 1000) -> None:
+    """ImageNet as the official SupSup code reads it: imagenet/{train,val}/<wnid>/*.JPEG (one image each here); the
+    pixel value encodes the class index modulo 250."""
+    for c in range(classes):
+        for split in ("train", "val"):
+            jpg(root / "imagenet" / split / f"n{c:08d}" / f"{split}_{c}.JPEG", (c % 250), (10, 8))
+
+
+def test_the_splitimagenet_preset_streams_the_official_split(tmp_path: Path) -> None:
+    write_imagenet(tmp_path)
+    cfg = validate(
+        compose_config(
+            "experiment=supsup_splitimagenet_paper",
+            f"data.root={tmp_path}",
+            "data.store=stream",  # what auto picks at ImageNet's size, exercised on 2,000 tiny JPEGs
+            "data.store_size=16",
+            *SHRINK,
+        )
+    )
+    assert (cfg.trainer.batch_size, cfg.trainer.epochs, cfg.trainer.warmup_epochs) == (8, 100, 5)  # batch: SHRINK
+    method, rt = build_runtime(cfg)
+    np.random.seed(1)  # data/splitimagenet.py: np.random.seed(1); class_split_order = np.random.permutation(1000)
+    official = np.random.permutation(1000)
+    tasks = [official[10 * i : 10 * i + 10].tolist() for i in range(100)]
+    assert [list(t.classes) for t in rt.benchmark.tasks] == tasks
+    assert [len(s) for s in rt.benchmark.test] == [10] * 100  # the val folder is the test set
+    x, y = rt.benchmark.test[3].batch(None, 0, 10)
+    assert np.allclose(x[:, 0, 8, 8].numpy(), official[y.numpy()] % 250, atol=3)
+    loss = first_step(method, rt)
+    assert torch.isfinite(loss) and rt.test_tf(x[:2]).shape == (2, 3, 224, 224)
