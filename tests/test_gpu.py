@@ -4,7 +4,8 @@ At a ViT-S/16, 224 px shape, for every method: steps and an evaluation in bf16 a
 CPU fp32 on the same weights and batch (logits and one step's updates); bf16 finite and close to fp32; fused attention
 (flash or memory-efficient) and no softmax of attention maps, from the profiler; no hidden host synchronisation in
 the step (``torch.cuda.set_sync_debug_mode("error")``); ``trainer.compile=true`` equal to eager and really compiled;
-a 1-process NCCL DDP run through torchrun; the zero-forgetting methods' bit-exact TIL on CUDA.
+a 1-process NCCL DDP run through torchrun; streamed batches (data.store=stream) equal to held ones; the
+zero-forgetting methods' bit-exact TIL on CUDA.
 
 Marked ``gpu``: deselected by `make test`, skipped cleanly without CUDA. The CPU halves of the comparisons run in
 the default suite (``test_the_cpu_reference_of_the_comparison_is_deterministic``).
@@ -17,6 +18,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -224,6 +226,28 @@ def test_one_process_nccl_ddp_equals_the_plain_run(tmp_path: Path) -> None:
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "ddp"))
     assert b["status"] == "finished" and a["acc_matrix"] == b["acc_matrix"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_streamed_batches_reach_the_gpu_equal_to_the_device_store(tmp_path: Path) -> None:
+    """data.store=stream on CUDA: batches read by workers into pinned memory and copied on a side stream equal the
+    device store's, and a whole run gives the device store's accuracy matrices."""
+    from clbench.data import build_benchmark
+
+    cfg = validate(compose_config(*TINY, f"data.cache_dir={tmp_path / 'cache'}", "data.stream_workers=2"))
+    held = build_benchmark(cfg.data, torch.device("cuda"))
+    streamed = build_benchmark(replace(cfg.data, store="stream"), torch.device("cuda"))
+    for a, b in zip(held.train, streamed.train, strict=True):
+        order = a.permutation()
+        for (xa, _), (xb, yb) in zip(a.batches(7, order=order), b.batches(7, order=order), strict=True):
+            assert xb.is_cuda and yb.is_cuda and torch.equal(xa, xb)
+    overrides = (*TINY, "method=meat", "trainer.device=cuda", f"data.cache_dir={tmp_path / 'cache'}")
+    for store in ("device", "stream"):
+        out = clbench(*overrides, f"data.store={store}", f"hydra.run.dir={tmp_path / store}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+    a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("device", "stream"))
+    assert a["acc_matrix"] == b["acc_matrix"]
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -203,3 +204,25 @@ def test_two_gloo_ranks_streaming_their_shares_match_one_process(tmp_path: Path)
         [v for row in b["validation"]["acc_matrix"]["til"] for v in row if v is not None],
         atol=5.0,
     )
+
+
+def children() -> list[int]:
+    """This process's child processes (Linux's /proc/<pid>/task/<tid>/children)."""
+    tasks = Path(f"/proc/{os.getpid()}/task")
+    return [int(pid) for t in tasks.iterdir() for pid in (t / "children").read_text().split()]
+
+
+def test_reader_workers_outlive_the_stop_signals_a_job_gets(folder: Path) -> None:
+    """SLURM and a terminal's Ctrl-C signal every process of the job, the reader workers too: they ignore SIGTERM and
+    SIGINT, so the training process can finish its steps (under torchrun, up to the ranks' next agreement), write its
+    checkpoint and shut them down itself."""
+    split = build_benchmark(stream_config(folder, store="stream", stream_workers=2)).train[0]
+    batches = split.batches(2, order=torch.arange(len(split)))
+    first = next(batches)
+    workers = children()
+    assert len(workers) == 2
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGINT)
+    rest = list(batches)  # a worker killed by the signal would fail this with "DataLoader worker ... killed"
+    assert len(rest) + 1 == split.num_batches(2) and torch.equal(first[0], split.batch(None, 0, 2)[0])

@@ -34,8 +34,8 @@ from clbench.errors import DataError
 from clbench.files import write_atomic
 
 FORMAT = 1  # bump when what a cache holds changes
-SYNTHETIC = tuple(k for k in DataConfig.__dataclass_fields__ if k.startswith("synthetic_"))
-STORED_OPTIONS = ("store_size", "test_fraction", "split_seed", *SYNTHETIC)
+SYNTHETIC = tuple(k for k in DataConfig.__dataclass_fields__ if k.startswith("synthetic_"))  # what it generates
+READ = ("store_size", "test_fraction", "split_seed")  # a read source: its resolution and a folder's seeded split
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")
 
 
@@ -63,7 +63,7 @@ def cache_key(name: str, cfg: DataConfig, rgb_size: int | None) -> dict[str, Any
         "format": FORMAT,
         "source": name,
         "rgb_size": rgb_size,
-        "options": {k: options[k] for k in STORED_OPTIONS},
+        "options": {k: options[k] for k in (SYNTHETIC if name == "synthetic" else READ)},
         "files": file_list_digest(source_folder(name, cfg)),
     }
 

@@ -8,6 +8,7 @@ device-side augmentation is the same, so both stores give the same numbers.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import cache
@@ -95,7 +96,7 @@ class DiskImages:
             num_workers=self.workers,
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator(),  # DataLoader seeds its workers from this, not from the global generator
-            **({"prefetch_factor": 4} if self.workers else {}),
+            worker_init_fn=ignore_stop_signals,
         )
         for b, part in enumerate(ahead_on(self.device, loader), start):
             n = min(batch_size, len(order) - b * batch_size)
@@ -106,6 +107,13 @@ class DiskImages:
                 full = torch.zeros((n, *self.image_shape), dtype=torch.uint8, device=self.device)
                 full[torch.from_numpy(positions).to(self.device)] = part
                 yield full
+
+
+def ignore_stop_signals(_worker: int) -> None:
+    """A worker ignores SIGINT and SIGTERM, which a terminal or SLURM sends the whole process group: the training
+    process writes its checkpoint at the end of the step and then shuts the workers down itself."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 class BatchReader(Dataset):
