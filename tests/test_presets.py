@@ -245,3 +245,40 @@ def test_the_splitimagenet_preset_streams_the_official_split(tmp_path: Path) -> 
     assert np.allclose(x[:, 0, 8, 8].numpy(), official[y.numpy()] % 250, atol=3)
     loss = first_step(method, rt)
     assert torch.isfinite(loss) and rt.test_tf(x[:2]).shape == (2, 3, 224, 224)
+
+
+def test_the_meat_preset_takes_a_deit_step_on_its_six_dataset_sequence(tmp_path: Path) -> None:
+    for name in ("cub200", "stanford_cars", "fgvc_aircraft", "wikiart", "sketches"):
+        write_image_folder(tmp_path / name, ["a", "b", "c"], 3, split=True)
+    write_cifar100(tmp_path)
+    cfg = validate(
+        compose_config(
+            "experiment=meat_deit_small_paper",
+            f"data.root={tmp_path}",
+            "data.verify_checksums=false",
+            "data.store_size=32",
+            *SHRINK,
+        )
+    )
+    assert (cfg.trainer.mixup, cfg.trainer.cutmix, cfg.data.randaugment_ops, cfg.data.random_erasing) == (
+        0.8,
+        1.0,
+        2,
+        0.25,
+    )
+    method, rt = build_runtime(cfg)
+    assert [t.num_classes for t in rt.benchmark.tasks] == [3, 3, 3, 3, 3, 100]
+    loss = first_step(method, rt)  # RandAugment, random erasing and mixup/cutmix on the batch, soft targets
+    assert torch.isfinite(loss) and rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, 224, 224)
+
+
+def test_the_l2p_five_datasets_preset_takes_a_step_on_its_files(tmp_path: Path) -> None:
+    write_five_datasets(tmp_path)
+    cfg = validate(
+        compose_config(
+            "experiment=l2p_five_datasets_paper", f"data.root={tmp_path}", "data.verify_checksums=false", *SHRINK
+        )
+    )
+    method, rt = build_runtime(cfg)
+    assert [t.num_classes for t in rt.benchmark.tasks] == [10] * 5
+    assert torch.isfinite(first_step(method, rt))

@@ -206,10 +206,16 @@ def test_two_gloo_ranks_streaming_their_shares_match_one_process(tmp_path: Path)
     )
 
 
-def children() -> list[int]:
-    """This process's child processes (Linux's /proc/<pid>/task/<tid>/children)."""
-    tasks = Path(f"/proc/{os.getpid()}/task")
-    return [int(pid) for t in tasks.iterdir() for pid in (t / "children").read_text().split()]
+def children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux's /proc/<pid>/task/<tid>/children)."""
+    tasks = Path(f"/proc/{pid}/task")
+    return [int(child) for t in tasks.iterdir() for child in (t / "children").read_text().split()]
+
+
+def reader_workers() -> list[int]:
+    """The reader workers: the children of this process's multiprocessing fork server."""
+    servers = [c for c in children(os.getpid()) if b"forkserver" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [worker for server in servers for worker in children(server)]
 
 
 def test_reader_workers_outlive_the_stop_signals_a_job_gets(folder: Path) -> None:
@@ -219,7 +225,7 @@ def test_reader_workers_outlive_the_stop_signals_a_job_gets(folder: Path) -> Non
     split = build_benchmark(stream_config(folder, store="stream", stream_workers=2)).train[0]
     batches = split.batches(2, order=torch.arange(len(split)))
     first = next(batches)
-    workers = children()
+    workers = reader_workers()
     assert len(workers) == 2
     for pid in workers:
         os.kill(pid, signal.SIGTERM)

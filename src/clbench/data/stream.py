@@ -8,6 +8,8 @@ device-side augmentation is the same, so both stores give the same numbers.
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 import signal
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
@@ -19,6 +21,18 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 Rows = Callable[[int], np.ndarray | None]  # batch size -> the positions in the batch this process reads (None: all)
+
+
+@cache
+def worker_context() -> multiprocessing.context.BaseContext:
+    """How reader workers start: from a fork server (a clean process started once, which imports this module), not
+    forked from the training process, whose threads (gloo's, rich's progress refresh, the previous loader's) can hold
+    an interpreter lock at the moment of a fork and leave the child waiting on it forever (seen under torchrun)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([__name__])
+    return context
 
 
 @cache
@@ -97,6 +111,7 @@ class DiskImages:
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator(),  # DataLoader seeds its workers from this, not from the global generator
             worker_init_fn=ignore_stop_signals,
+            multiprocessing_context=worker_context() if self.workers else None,
         )
         for b, part in enumerate(ahead_on(self.device, loader), start):
             n = min(batch_size, len(order) - b * batch_size)
