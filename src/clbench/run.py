@@ -442,7 +442,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     """Seed, then build the benchmark (on the device), the backbone, the method and the transforms."""
     device = resolve_device(cfg.trainer.device)
     seed_everything(cfg.seed)
-    benchmark = build_benchmark(cfg.data, device, say)
+    benchmark = build_benchmark(cfg.data, device, say, distributed.current())
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
     method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)

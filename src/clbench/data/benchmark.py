@@ -21,6 +21,7 @@ from clbench.data.cache import cached_source
 from clbench.data.image_folder import seeded_split
 from clbench.data.sources import SourceData, load_named_source
 from clbench.data.stream import DiskImages, Rows
+from clbench.distributed import Ranks
 from clbench.errors import ConfigError
 
 
@@ -125,21 +126,29 @@ class Benchmark:
         train, test = [s.to(device) for s in self.train], [s.to(device) for s in self.test]
         return Benchmark(self.name, self.tasks, train, test, self.splits, [s.to(device) for s in self.validation])
 
-    def placed_for(self, device: torch.device, say: Callable[[str], None]) -> Benchmark:
-        """``data.store=auto``: the images in memory (for ``device``) when they take at most half of its free memory,
-        else left in the on-disk cache and streamed; says which and why."""
+    def placed_for(self, device: torch.device, say: Callable[[str], None], ranks: Ranks) -> Benchmark:
+        """``data.store=auto``: the images on ``device`` when they take at most half of its free memory (on the CPU,
+        shared by the run's processes: half of it over their number), else left in the on-disk cache and streamed;
+        rank 0 decides for all and says which and why. Held images are copied a chunk at a time."""
         images = [s.x for s in (*self.train, *self.test) if isinstance(s.x, DiskImages)]
         size, free = sum(x.nbytes for x in images), free_memory(device)
-        fits = size <= free / 2
-        say(
-            f"clbench: data.store=auto: {size / 2**30:.2f} GiB of images, {free / 2**30:.1f} GiB free on {device}: "
-            + ("held on the device" if fits else "streamed from the on-disk cache")
-        )
+        budget = free / 2 / (ranks.size if device.type == "cpu" else 1)
+        fits = ranks.broadcast(size <= budget if ranks.is_main else None)
+        if ranks.is_main:
+            say(
+                f"clbench: data.store=auto: {size / 2**30:.2f} GiB of images, {free / 2**30:.1f} GiB free on {device}: "
+                + ("held on the device" if fits else "streamed from the on-disk cache")
+            )
         if not fits:
             return self
 
         def held(split: Split) -> Split:
-            return Split(split.x.read(np.arange(len(split))), split.y) if isinstance(split.x, DiskImages) else split
+            if not isinstance(split.x, DiskImages):
+                return split
+            x = torch.empty(split.x.shape, dtype=torch.uint8, device=device)
+            for lo in range(0, len(split), HOLD_CHUNK):
+                x[lo : lo + HOLD_CHUNK] = split.x.read(np.arange(lo, min(lo + HOLD_CHUNK, len(split)))).to(device)
+            return Split(x, split.y)
 
         train, test = [held(s) for s in self.train], [held(s) for s in self.test]
         return Benchmark(self.name, self.tasks, train, test, self.splits)
@@ -205,6 +214,7 @@ def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
 
 
 CPU = torch.device("cpu")
+HOLD_CHUNK = 4096  # images copied at a time from the cache to the device (store=auto)
 Load = Callable[[str, int | None], SourceData]  # (source name, RGB size or None) -> its data, as the store wants it
 
 
@@ -228,6 +238,7 @@ def build_benchmark(
     cfg: DataConfig,
     device: torch.device = CPU,
     say: Callable[[str], None] = print,
+    ranks: Ranks = Ranks(),  # noqa: B008 (frozen dataclass: the single process)
 ) -> Benchmark:
     """Load the configured source(s), make the tasks, hold out the validation split and put the images where
     ``data.store`` says: in memory (then ``.to(device)`` moves them) or in the on-disk cache, streamed to ``device``."""
@@ -236,13 +247,13 @@ def build_benchmark(
         if cfg.store == "device":
             source = load_named_source(name, cfg)
             return (source.as_rgb(rgb_size) if rgb_size else source).decoded()
-        return cached_source(name, cfg, lambda: load_named_source(name, cfg), rgb_size, say)
+        return cached_source(name, cfg, lambda: load_named_source(name, cfg), rgb_size, say=say, ranks=ranks)
 
     if cfg.source == "sequence":
         benchmark = sequence_of_datasets(cfg, load)
     else:
         benchmark = split_into_tasks(load(cfg.folder if cfg.source == "image_folder" else cfg.source, None), cfg)
     if cfg.store == "auto":
-        benchmark = benchmark.placed_for(device, say)
+        benchmark = benchmark.placed_for(device, say, ranks)
     benchmark = benchmark.hold_out_validation(cfg.val_fraction, cfg.val_seed) if cfg.val_fraction else benchmark
     return benchmark.to(device)

@@ -2,11 +2,12 @@
 into uint8 ``.npy`` arrays that the training processes memory-map.
 
 A source's cache is the folder ``<data.cache_dir>/<source>-<key>``: ``{train,test}_{x,y}.npy`` and ``meta.json`` (its
-class names, seeded split and the key's inputs). The key hashes the cache format, the data options that change what
-is stored (``store_size``, the seeded split, the synthetic source's shape) and the source's file list: every file under
-its folder with its size and modification time. A changed source therefore gets a new folder, built anew. Building
-holds a file lock (filelock), so two jobs that start together build it once; the arrays are written chunk by chunk
-into a temporary folder renamed into place when complete, so a killed build leaves nothing that looks finished.
+class names, seeded split, array shapes and the key's inputs). The key hashes the cache format, the data options that
+change what is stored (``store_size``, the seeded split, the synthetic source's shape), the decoders' versions and the
+source's file list: every folder and file under its folder (symbolic links followed) with the files' sizes and
+modification times. A changed source therefore gets a new folder, built anew. Building holds a file lock (filelock),
+so two jobs that start together build it once; each builder writes into a folder of its own, checked for free space
+first, and renames it into place when complete, so a killed build leaves nothing that looks finished.
 """
 
 from __future__ import annotations
@@ -16,20 +17,25 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import PIL
 import torch
+import torchvision
 from filelock import FileLock, Timeout
 
 from clbench.config import DataConfig
 from clbench.data.decoding import LazyImages
 from clbench.data.sources import SourceData, source_folder
 from clbench.data.stream import DiskImages
+from clbench.distributed import Ranks
 from clbench.errors import DataError
 from clbench.files import write_atomic
 
@@ -44,20 +50,24 @@ def cache_root(cfg: DataConfig) -> Path:
 
 
 def file_list_digest(folder: Path | None) -> str:
-    """SHA-256 of every file under ``folder`` (relative path, size, mtime in ns), in sorted order; '' without one."""
+    """SHA-256 of every folder and file under ``folder`` (relative path; a file's size and mtime in ns), in sorted
+    order, following symbolic links as the readers do (``<root>/imagenet/train -> /shared/...``); '' without one.
+    Folders count because an empty class folder is a class (it shifts the labels after it)."""
     if folder is None or not folder.exists():
         return ""
     entries = []
-    for dirpath, _dirs, files in os.walk(folder):
+    for dirpath, dirs, files in os.walk(folder, followlinks=True):
+        base = Path(dirpath)
+        entries += [f"{(base / d).relative_to(folder)}/" for d in dirs]
         for name in files:
-            path = Path(dirpath) / name
-            stat = path.stat()
-            entries.append(f"{path.relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}")
+            stat = (base / name).stat()
+            entries.append(f"{(base / name).relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}")
     return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
 
 
 def cache_key(name: str, cfg: DataConfig, rgb_size: int | None) -> dict[str, Any]:
-    """What the cached arrays depend on; its hash names the cache folder."""
+    """What the cached arrays depend on; its hash names the cache folder. The decoders' versions count: a Pillow or
+    torchvision that resizes differently must not be mixed with pixels an older one stored."""
     options = asdict(cfg)
     return {
         "format": FORMAT,
@@ -65,56 +75,88 @@ def cache_key(name: str, cfg: DataConfig, rgb_size: int | None) -> dict[str, Any
         "rgb_size": rgb_size,
         "options": {k: options[k] for k in (SYNTHETIC if name == "synthetic" else READ)},
         "files": file_list_digest(source_folder(name, cfg)),
+        "decoders": {"pillow": PIL.__version__, "torchvision": torchvision.__version__, "numpy": np.__version__},
     }
 
 
 def cached_source(
-    name: str, cfg: DataConfig, load: Callable[[], SourceData], rgb_size: int | None, say: Callable[[str], None]
+    name: str,
+    cfg: DataConfig,
+    load: Callable[[], SourceData],
+    rgb_size: int | None,
+    *,
+    say: Callable[[str], None],
+    ranks: Ranks = Ranks(),  # noqa: B008 (frozen dataclass: the single process)
 ) -> SourceData:
     """Source ``name`` with its images on disk (:class:`DiskImages`): from its cache, or ``load()``-ed, converted to
-    RGB at ``rgb_size`` where given (the datasets of a sequence), and written to the cache first."""
-    key = cache_key(name, cfg, rgb_size)
+    RGB at ``rgb_size`` where given (the datasets of a sequence), and written to the cache first. In a multi-process
+    run only rank 0 lists the source's files; the others receive the key. A complete cache is opened without the
+    lock, so a read-only shared cache works."""
+    source = None
+    folder_expected = source_folder(name, cfg)
+    if cfg.download and folder_expected is not None and not folder_expected.exists():
+        source = load()  # downloads it: the key must see the downloaded files
+    key = ranks.broadcast(cache_key(name, cfg, rgb_size) if ranks.is_main else None)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root(cfg)
+    folder = root / f"{name}-{digest}"
+    if (folder / "meta.json").is_file():
+        return open_cache(folder, cfg.stream_workers)
     try:
         root.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(root / f"{folder.name}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            say(f"clbench: waiting for another job to finish building the image cache {folder}")
+            lock.acquire()
     except OSError as err:
         raise DataError(
-            f"Cannot create the image cache {root} ({err.strerror}). Point data.cache_dir at a writable folder "
+            f"Cannot write the image cache {root} ({err.strerror}). Point data.cache_dir at a writable folder "
             "(node-local scratch is fastest), or use data.store=device."
         ) from None
-    folder = root / f"{name}-{digest}"
-    lock = FileLock(root / f"{folder.name}.lock")
-    try:
-        lock.acquire(timeout=0)
-    except Timeout:
-        say(f"clbench: waiting for another job to finish building the image cache {folder}")
-        lock.acquire()
     try:
         if not (folder / "meta.json").is_file():
-            build(folder, key, load, rgb_size, say)
+            build(folder, key, source or load(), rgb_size, say)
         return open_cache(folder, cfg.stream_workers)
     finally:
         lock.release()
 
 
 def build(
-    folder: Path, key: dict[str, Any], load: Callable[[], SourceData], rgb_size: int | None, say: Callable[[str], None]
+    folder: Path, key: dict[str, Any], source: SourceData, rgb_size: int | None, say: Callable[[str], None]
 ) -> None:
-    """Decode the source into ``folder`` (called with the cache's lock held)."""
-    partial = folder.with_name(f"{folder.name}.partial")
-    shutil.rmtree(partial, ignore_errors=True)  # what a killed build left
+    """Decode ``source`` into ``folder`` (called with the cache's lock held). The arrays are written into a folder of
+    this builder's own, renamed into place when complete: where the lock does not hold (a file system without
+    working locks), two builders never write into one folder, and the second to finish keeps the first's."""
+    for stale in folder.parent.glob(f"{folder.name}.partial-*"):
+        shutil.rmtree(stale, ignore_errors=True)  # what killed builds left (the lock is held)
+    shutil.rmtree(folder, ignore_errors=True)  # an incomplete folder without meta.json (an interrupted removal)
+    source = source.as_rgb(rgb_size) if rgb_size else source
+    arrays = dict(zip(ARRAYS, (source.train_x, source.train_y, source.test_x, source.test_y), strict=True))
+    need = sum(array_bytes(values) for values in arrays.values())
+    free = shutil.disk_usage(folder.parent).free
+    if need > free:
+        raise DataError(
+            f"The image cache for {key['source']} needs {need / 2**30:.1f} GiB, but {folder.parent} has "
+            f"{free / 2**30:.1f} GiB free. Free space, point data.cache_dir elsewhere or lower data.store_size."
+        )
+    partial = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     partial.mkdir()
     started = time.time()
-    say(f"clbench: decoding {key['source']} once into the image cache {folder}")
-    source = load()
-    source = source.as_rgb(rgb_size) if rgb_size else source
+    say(f"clbench: decoding {key['source']} once into the image cache {folder} ({need / 2**30:.2f} GiB)")
     try:
-        for array, values in zip(ARRAYS, (source.train_x, source.train_y, source.test_x, source.test_y), strict=True):
+        for array, values in arrays.items():
             write_array(partial / f"{array}.npy", values)
-        meta = {"key": key, "class_names": source.class_names, "split": source.split}
+        shapes = {array: list(values.shape) for array, values in arrays.items()}
+        meta = {"key": key, "shapes": shapes, "class_names": source.class_names, "split": source.split}
         write_atomic(partial / "meta.json", json.dumps(meta, indent=1))
-        partial.rename(folder)
+        try:
+            partial.rename(folder)
+        except OSError as err:
+            if err.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not (folder / "meta.json").is_file():
+                raise
+            shutil.rmtree(partial, ignore_errors=True)  # another builder finished first: keep its folder
     except OSError as err:
         shutil.rmtree(partial, ignore_errors=True)
         if err.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -123,15 +165,25 @@ def build(
                 "elsewhere, or use data.store=device."
             ) from None
         raise
-    size = sum(f.stat().st_size for f in folder.iterdir()) / 2**30
-    say(f"clbench: image cache {folder} built ({size:.2f} GiB in {time.time() - started:.0f} s)")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    say(f"clbench: image cache {folder} built in {time.time() - started:.0f} s")
+
+
+def array_bytes(values: torch.Tensor | LazyImages) -> int:
+    dtype_size = 1 if len(values.shape) == 4 else 8  # uint8 images, int64 labels
+    return int(np.prod(values.shape)) * dtype_size
 
 
 def write_array(path: Path, values: torch.Tensor | LazyImages) -> None:
-    """``values`` as a ``.npy`` file, lazy images decoded and written a chunk at a time."""
-    out = np.lib.format.open_memmap(
-        path, mode="w+", dtype=np.uint8 if len(values.shape) == 4 else np.int64, shape=tuple(values.shape)
-    )
+    """``values`` as a ``.npy`` file, its space reserved first (a full disk is an error here, not a SIGBUS while a
+    memory-mapped page is written), lazy images decoded and written a chunk at a time."""
+    dtype = np.uint8 if len(values.shape) == 4 else np.int64
+    out = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=tuple(values.shape))
+    if hasattr(os, "posix_fallocate"):
+        with path.open("r+b") as f:
+            os.posix_fallocate(f.fileno(), 0, path.stat().st_size)
     if isinstance(values, LazyImages):
         for lo, chunk in values.chunks():
             out[lo : lo + len(chunk)] = chunk.numpy()
@@ -142,11 +194,15 @@ def write_array(path: Path, values: torch.Tensor | LazyImages) -> None:
 
 
 def open_cache(folder: Path, workers: int) -> SourceData:
-    """A built cache as :class:`SourceData` whose images stay on disk."""
+    """A built cache as :class:`SourceData` whose images stay on disk; arrays whose shapes differ from what the build
+    recorded (a truncated or replaced file) are refused."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
         arrays = {a: np.load(folder / f"{a}.npy", mmap_mode="r") for a in ARRAYS}
-    except (OSError, ValueError) as err:
+        wrong = [a for a in ARRAYS if list(arrays[a].shape) != meta["shapes"][a]]
+        if wrong:
+            raise ValueError(f"{', '.join(wrong)} not of the recorded shape")
+    except (OSError, ValueError, KeyError) as err:
         raise DataError(
             f"The image cache {folder} is damaged ({type(err).__name__}: {err}). Delete that folder: the next run "
             "builds it again."

@@ -37,7 +37,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 @cache
 def _array(path: str) -> np.ndarray:
-    """A cache array, memory-mapped once per process (DataLoader workers inherit or open their own)."""
+    """A cache array, memory-mapped once per process (each reader worker maps its own)."""
     return np.load(path, mmap_mode="r")
 
 
@@ -101,34 +101,45 @@ class DiskImages:
     def batches(
         self, order: np.ndarray, batch_size: int, start: int = 0, rows: Rows | None = None
     ) -> Iterator[torch.Tensor]:
-        """Batches ``start ..`` of the epoch in ``order`` on ``device``, read ahead by the workers. With ``rows``, only
-        those positions of each batch are read; the others are zero."""
+        """Batches ``start ..`` of the epoch in ``order`` on ``device``, read ahead by the workers (in this process
+        where the epoch has no more batches than workers: a task's few test batches are not worth starting them).
+        With ``rows``, only those positions of each batch are read; the others are zero."""
         reader = BatchReader(self, order, batch_size, start, rows)
+        workers = self.workers if len(reader) > self.workers else 0
         loader = DataLoader(
             reader,
             batch_size=None,
-            num_workers=self.workers,
+            num_workers=workers,
             pin_memory=self.device.type == "cuda",
             generator=torch.Generator(),  # DataLoader seeds its workers from this, not from the global generator
             worker_init_fn=ignore_stop_signals,
-            multiprocessing_context=worker_context() if self.workers else None,
+            multiprocessing_context=worker_context() if workers else None,
         )
         for b, part in enumerate(ahead_on(self.device, loader), start):
             n = min(batch_size, len(order) - b * batch_size)
             positions = rows(n) if rows is not None else None
             if positions is None:
                 yield part
-            else:
-                full = torch.zeros((n, *self.image_shape), dtype=torch.uint8, device=self.device)
-                full[torch.from_numpy(positions).to(self.device)] = part
-                yield full
+                continue
+            full = torch.zeros((n, *self.image_shape), dtype=torch.uint8, device=self.device)
+            for (lo, hi), at in runs(positions):  # slices: no index tensor copied to the device, no sync
+                full[lo:hi] = part[at : at + hi - lo]
+            yield full
+
+
+def runs(positions: np.ndarray) -> Iterator[tuple[tuple[int, int], int]]:
+    """The ascending ``positions`` as runs of consecutive values: ((first, last + 1), index of first in positions)."""
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    for first, end in zip([0, *breaks.tolist()], [*breaks.tolist(), len(positions)], strict=True):
+        yield (int(positions[first]), int(positions[end - 1]) + 1), first
 
 
 def ignore_stop_signals(_worker: int) -> None:
-    """A worker ignores SIGINT and SIGTERM, which a terminal or SLURM sends the whole process group: the training
-    process writes its checkpoint at the end of the step and then shuts the workers down itself."""
+    """A worker ignores SIGINT and the first SIGTERM, which a terminal or SLURM sends the whole process group: the
+    training process writes its checkpoint at the end of the step and then shuts the workers down itself. A second
+    SIGTERM (the loader's or multiprocessing's own terminate at shutdown) ends the worker as usual."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 class BatchReader(Dataset):
