@@ -10,6 +10,8 @@ import atexit
 import errno
 import os
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from filelock import FileLock, Timeout
@@ -29,30 +31,39 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()  # what open() would give: lab-mates on a shared filesystem can read the results
 
 
+@contextmanager
+def undone_on_failure(undo: Callable[[], None], no_space: Callable[[str], str]) -> Iterator[None]:
+    """Run the block; if it fails, ``undo()`` (remove what it half wrote) and re-raise, a full disk or quota as a
+    :class:`DataError` with the message ``no_space(strerror)``."""
+    try:
+        yield
+    except OSError as err:
+        undo()
+        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DataError(no_space(err.strerror or "no space")) from None
+        raise
+    except BaseException:
+        undo()
+        raise
+
+
 def write_atomic(path: Path, data: bytes | str) -> None:
     """Write via a temporary file in the same folder and rename, so readers never see a partial file; the file gets
     the user's umask (``mkstemp`` alone makes it 0600). A full disk is a :class:`DataError` naming the file, and the
     previous version of the file stays as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
+    no_space = (
+        f"No space left to write {path} ({{}}); its previous version is unchanged. Free space or move the run "
+        "(hydra.run.dir=PATH), then continue with resume=true."
+    ).format
+    with undone_on_failure(lambda: Path(tmp).unlink(missing_ok=True), no_space):
         os.fchmod(fd, FILE_MODE)
         with os.fdopen(fd, "wb") as f:
             f.write(data.encode() if isinstance(data, str) else data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except OSError as err:
-        Path(tmp).unlink(missing_ok=True)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DataError(
-                f"No space left to write {path} ({err.strerror}); its previous version is unchanged. Free space or "
-                "move the run (hydra.run.dir=PATH), then continue with resume=true."
-            ) from None
-        raise
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def remove_stale_temporaries(folder: Path) -> None:

@@ -37,7 +37,7 @@ from clbench.data.sources import SourceData, source_folder
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
 from clbench.errors import DataError
-from clbench.files import write_atomic
+from clbench.files import undone_on_failure, write_atomic
 
 FORMAT = 1  # bump when what a cache holds changes
 SYNTHETIC = tuple(k for k in DataConfig.__dataclass_fields__ if k.startswith("synthetic_"))  # what it generates
@@ -145,7 +145,11 @@ def build(
     partial.mkdir()
     started = time.time()
     say(f"clbench: decoding {key['source']} once into the image cache {folder} ({need / 2**30:.2f} GiB)")
-    try:
+    no_space = (
+        f"No space left to build the image cache {folder} ({{}}). Free space, point data.cache_dir elsewhere, or use "
+        "data.store=device."
+    ).format
+    with undone_on_failure(lambda: shutil.rmtree(partial, ignore_errors=True), no_space):
         for array, values in arrays.items():
             write_array(partial / f"{array}.npy", values)
         shapes = {array: list(values.shape) for array, values in arrays.items()}
@@ -157,17 +161,6 @@ def build(
             if err.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not (folder / "meta.json").is_file():
                 raise
             shutil.rmtree(partial, ignore_errors=True)  # another builder finished first: keep its folder
-    except OSError as err:
-        shutil.rmtree(partial, ignore_errors=True)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise DataError(
-                f"No space left to build the image cache {folder} ({err.strerror}). Free space, point data.cache_dir "
-                "elsewhere, or use data.store=device."
-            ) from None
-        raise
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
     say(f"clbench: image cache {folder} built in {time.time() - started:.0f} s")
 
 
