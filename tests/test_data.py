@@ -142,6 +142,12 @@ def test_digits_tasks_are_disjoint_and_num_tasks_truncates() -> None:
     assert bench.train[0].x.shape[1:] == (1, 8, 8)
 
 
+def test_every_built_in_reader_is_a_source_the_config_accepts() -> None:
+    from clbench.config import SOURCES
+
+    assert set(SOURCES) == {*sources.BUILT_IN, "image_folder"}
+
+
 def test_too_many_tasks_for_the_classes_is_rejected() -> None:
     with pytest.raises(Exception, match=r"data\.tasks"):
         build_benchmark(DataConfig(name="d", source="digits", tasks=11))

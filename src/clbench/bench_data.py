@@ -24,12 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from clbench.bench import Steps
+
 DATA = ("data/stream", "reference/imagefolder", "finetune/stream")
 SCALES = (1, 10, 100)
 MEMORY = tuple(f"data/{store}_x{k}" for store in ("stream", "device") for k in SCALES)
 ENTRIES = (*DATA, *MEMORY)
 TEST_SET = 10_000  # CIFAR-100's test set: the unit of the memory entries
-Steps = tuple[Callable[[], Any], Callable[[], Any] | None, torch.device]
 
 
 def write_jpeg_folder(folder: Path, images: int, side: int, classes: int = 10) -> None:

@@ -34,14 +34,18 @@ def require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     require(value in choices, key, value, "one of " + ", ".join(choices))
 
 
+# Sources a class-split benchmark reads (clbench.data.sources.BUILT_IN, plus image_folder); those of image files of any
+# size need data.store_size.
+FILE_SOURCES = ("image_folder", "gtsrb", "flowers102", "stanford_cars", "cub200")
+SOURCES = ("digits", "synthetic", "cifar10", "cifar100", "mnist", "fashion_mnist", "svhn", *FILE_SOURCES)
+
+
 @dataclass
 class DataConfig:
     """A benchmark: a source split into tasks of disjoint classes."""
 
     name: str  # recorded in results.json, e.g. cifar100_10tasks
-    source: (
-        str  # digits | cifar10 | cifar100 | mnist | fashion_mnist | svhn | gtsrb | image_folder | synthetic | sequence
-    )
+    source: str  # one of SOURCES (a built-in reader, image_folder) or sequence (one task per dataset)
     tasks: int  # number of tasks the classes are split into (sequence: one per dataset)
     root: str = "data"  # where downloadable sources live (data.root=/datasets)
     download: bool = False  # fetch the official archive into root if it is missing
@@ -82,22 +86,11 @@ class DataConfig:
     synthetic_channels: int = 3
 
     def __post_init__(self) -> None:
-        sources = (
-            "digits",
-            "cifar10",
-            "cifar100",
-            "mnist",
-            "fashion_mnist",
-            "svhn",
-            "gtsrb",
-            "image_folder",
-            "synthetic",
-        )
-        require_choice("data.source", self.source, (*sources, "sequence"))
+        require_choice("data.source", self.source, (*SOURCES, "sequence"))
         require(self.tasks >= 1, "data.tasks", self.tasks, "an integer >= 1")
         if self.source == "image_folder":
             require(bool(self.folder), "data.folder", self.folder, "the image folder's name under data.root")
-        if self.source in ("image_folder", "sequence", "gtsrb", "flowers102", "stanford_cars", "cub200"):
+        if self.source in ("sequence", *FILE_SOURCES):
             require(self.store_size is not None and self.store_size >= 8, "data.store_size", self.store_size, ">= 8")
         if self.source == "sequence":
             require(len(self.datasets) > 0, "data.datasets", self.datasets, "a non-empty list of dataset names")

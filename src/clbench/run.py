@@ -269,6 +269,7 @@ def run_task(
         params = [q for g in optimizer.param_groups for q in g["params"]]
         model = rt.ranks.wrap(TaskLoss(method, task), rt.device) if rt.ranks.size > 1 else None
         mixing = rt.mixup(task)
+        rows = rt.ranks.rows(mirrored=mixing is not None)  # what this rank reads of each streamed batch
         total, warmup = phase.epochs * per_epoch, round(cfg.warmup_epochs * per_epoch)
         plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
         schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -289,12 +290,8 @@ def run_task(
         for epoch in range(first_epoch, phase.epochs):
             here = resumed and epoch == start.epoch
             order = start.order if here and start.order is not None else split.permutation()
-            first_batch, epoch_loss, started = (
-                start.batch if here else 0,
-                torch.zeros((), device=rt.device),
-                time.time(),
-            )
-            rows = rt.ranks.rows(mirrored=mixing is not None)
+            first_batch, started = start.batch if here else 0, time.time()
+            epoch_loss = torch.zeros((), device=rt.device)
             epoch_batches = split.batches(cfg.batch_size, order=order, start=first_batch, rows=rows)
             for batch, (x_raw, y) in enumerate(epoch_batches, first_batch):
                 method.before_step(task, batch, per_epoch)
@@ -510,11 +507,11 @@ def replay(method: Method, tasks: list[Task], position: Position, epochs: int) -
             method.before_phase(task, phase)
 
 
-def restore(
-    cfg: RunConfig, run_dir: Path, method: Method, rt: Runtime, results: Results
-) -> tuple[Position, str | None]:
-    """Bring ``method`` and ``results`` to the state of ``run_dir``'s checkpoint; refuse another run's."""
-    position, state = checkpoint.load(run_dir)
+Saved = tuple[Position, dict[str, Any]]  # a loaded checkpoint
+
+
+def check_identity(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> None:
+    """Refuse to resume ``run_dir`` with a checkpoint written for another run (naming every key that differs)."""
     saved, now = flatten(state["identity"]), flatten(identity(cfg))
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
     if changed:
@@ -525,6 +522,11 @@ def restore(
             f"Cannot resume {run_dir}: its checkpoint is for another run ({differ}). Resume with the run's own "
             "settings, or start a new run in another folder. The folder is left as it was."
         )
+
+
+def restore(cfg: RunConfig, saved: Saved, method: Method, rt: Runtime, results: Results) -> tuple[Position, str | None]:
+    """Bring ``method`` and ``results`` to the state of a checkpoint (checked with :func:`check_identity`)."""
+    position, state = saved
     replay(method, rt.benchmark.tasks, position, cfg.trainer.epochs)
     method.load_state_dict(state["method"])
     results.restore(state["results"])
@@ -543,25 +545,26 @@ def train(
     with the same results as an uninterrupted run. In a multi-process run (torchrun) every rank trains and
     evaluates its share; only rank 0 writes the folder, the checkpoints and W&B."""
     main = distributed.current().is_main
+    resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
+    # The checkpoint is loaded once, here: a missing, corrupt or foreign one is reported before the folder is touched
+    # or anything is built.
+    saved = checkpoint.load(run_dir) if resuming else None
+    if saved is not None:
+        check_identity(cfg, run_dir, saved[1])
     if main:
-        if cfg.resume is True:
-            checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before the folder is touched
         check_writable(run_dir)
     acquired = main and lock_run_folder(run_dir)
     try:
         if main:
             remove_stale_temporaries(run_dir)
-        return train_in_folder(cfg, run_dir, name, main)
+        return train_in_folder(cfg, run_dir, name, main, saved)
     finally:
         if acquired:
             unlock_run_folder(run_dir)
 
 
-def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool) -> Results:
-    """:func:`train` once the run folder is held."""
-    resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
-    if resuming:
-        checkpoint.load(run_dir)  # a missing or corrupt checkpoint is reported before anything is built
+def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
+    """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from."""
     method, rt = build_runtime(cfg)
     benchmark, device = rt.benchmark, rt.device
     results = Results(header(cfg), benchmark.tasks)
@@ -579,7 +582,7 @@ def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool)
             "pretrained weights (backbone.pretrained=false, no backbone.weights): it learns over random features, so "
             "expect numbers near chance.[/yellow]"
         )
-    position, wandb_id = restore(cfg, run_dir, method, rt, results) if resuming else (Position(0, 0), None)
+    position, wandb_id = restore(cfg, saved, method, rt, results) if saved is not None else (Position(0, 0), None)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
     tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
     results.header["wandb"] = tracker.identity()
@@ -597,7 +600,7 @@ def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool)
 
     exit_code = 1
     try:
-        if cfg.trainer.eval_random_init and not resuming:
+        if cfg.trainer.eval_random_init and saved is None:
             results.random_init = measure_random_init(method, rt)
         step = position.step
         columns = (

@@ -77,7 +77,7 @@ class Split:
         """Batch ``index`` of an epoch in ``order`` (None: the stored order), read at once."""
         idx = self._positions(order, index, batch_size)
         if isinstance(self.x, DiskImages):
-            rows = np.arange(len(self))[idx] if isinstance(idx, slice) else idx.cpu().numpy()
+            rows = np.arange(*idx.indices(len(self))) if isinstance(idx, slice) else idx.cpu().numpy()
             return self.x.read(rows).to(self.x.device), self.y[idx]
         return self.x[idx], self.y[idx]
 

@@ -6,7 +6,10 @@
   torchvision's checksummed downloader, read directly into tensors (no PIL).
 - ``mnist`` / ``fashion_mnist``: the official idx files (torchvision's layout ``<root>/<MNIST|FashionMNIST>/raw``),
   read with torchvision's readers; ``svhn``: the official ``{train,test}_32x32.mat`` files in ``<root>/svhn``.
-- ``image_folder``: ``<root>/<data.folder>`` with one sub-folder per class (:mod:`clbench.data.image_folder`).
+- ``gtsrb``, ``flowers102``, ``stanford_cars``: their official layouts through torchvision's readers; ``cub200``:
+  CUB-200-2011's official layout. These are decoded on demand (:class:`LazyImages`), straight to ``data.store_size``.
+- ``image_folder``: ``<root>/<data.folder>`` with one sub-folder per class (:mod:`clbench.data.image_folder`), or
+  ``train``/``test`` (or ``val``) sub-folders of classes.
 - ``synthetic``: seeded class prototypes plus noise, for tests and timings without files.
 A ``sequence`` benchmark loads several of these by name (a name that is none of them is an image folder).
 """
@@ -24,6 +27,7 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.data import ConcatDataset
 from torchvision.datasets import CIFAR10, CIFAR100, MNIST, SVHN, FashionMNIST
 from torchvision.datasets.mnist import read_image_file, read_label_file
 from torchvision.datasets.utils import check_integrity, download_and_extract_archive, download_url
@@ -397,10 +401,10 @@ def load_torchvision_source(name: str, cfg: DataConfig) -> SourceData:
                     + (" (data.download=true fetches it)." if not cfg.download else ".")
                 ) from None
             classes = classes or getattr(datasets[-1], "classes", None)
-        items = [(d, i) for d in datasets for i in range(len(d))]
-        if not items:
+        joined = ConcatDataset(datasets)  # train + val for Flowers-102
+        if not len(joined):
             raise DataError(f"{name}'s {'/'.join(splits)} split under {cfg.root} holds no images.")
-        out += [LazyImages(len(items), size, cfg.decode_workers, lambda i, items=items: items[i][0][items[i][1]][0])]
+        out += [LazyImages(len(joined), size, cfg.decode_workers, lambda i, joined=joined: joined[i][0])]
         out += [torch.tensor([t for d in datasets for t in dataset_targets(d)], dtype=torch.long)]
     num_classes = int(max(out[1].max(), out[3].max())) + 1
     return SourceData(*out, list(classes or [f"{name}_{i}" for i in range(num_classes)]))
