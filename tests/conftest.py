@@ -51,24 +51,49 @@ def clbench(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return run_command(sys.executable, "-m", "clbench", *args, cwd=cwd, **env)
 
 
+def fused_attention_ops() -> tuple[str, ...]:
+    """The aten operators of every fused backend ``F.scaled_dot_product_attention`` may dispatch to, named after
+    torch's own list of backends (``SDPBackend``: flash, memory-efficient, cuDNN, ...; the unfused math path and the
+    placeholders aside): ``aten::_scaled_dot_product_<backend>`` and its CPU variant ``..._for_cpu``."""
+    from torch.nn.attention import SDPBackend
+
+    unfused = {"MATH", "ERROR", "OVERRIDEABLE"}
+    return tuple(f"aten::_scaled_dot_product_{name.lower()}" for name in SDPBackend.__members__ if name not in unfused)
+
+
+SOFTMAX_OPS = {  # the dispatcher's softmax family, forward and backward
+    "aten::softmax",
+    "aten::_softmax",
+    "aten::_safe_softmax",
+    "aten::log_softmax",
+    "aten::_log_softmax",
+    "aten::_softmax_backward_data",
+    "aten::_log_softmax_backward_data",
+}
+
+
 def attention_ops(step: Callable[[], object], *, cuda: bool = False) -> tuple[set[str], set[str]]:
-    """The profiled operators of one ``step`` (after a warm-up call): the fused attention ones (flash or
-    memory-efficient scaled-dot-product attention) and any softmax of attention maps (cross-entropy's log-softmax
-    aside)."""
+    """The operators of one eager ``step`` (after a warm-up call), read from the dispatcher's events, not from kernel
+    names: the fused scaled-dot-product attention ones, and any softmax of attention maps: an operator of the softmax
+    family applied to a tensor of rank 3 or more (attention maps are (batch, heads, queries, keys); cross-entropy's
+    log-softmax over (batch, classes) is not one)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     step()
     activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, record_shapes=True) as prof:
         step()
         if cuda:
             torch.cuda.synchronize()
-    ops = {event.key for event in prof.key_averages()}
-    fused = {op for op in ops if "flash_attention" in op or "efficient_attention" in op}
-    low = {op: op.lower().replace("_", "") for op in ops}  # CUDA kernels: cunn_SoftMaxForward<..., LogSoftMax...>
-    softmax = {op for op in ops if "softmax" in low[op] and "logsoftmax" not in low[op]}
-    return fused, softmax
+    events = prof.key_averages(group_by_input_shape=True)
+    fused = {e.key for e in events if e.key.startswith(fused_attention_ops())}
+    maps = {
+        f"{e.key}{e.input_shapes}"
+        for e in events
+        if e.key in SOFTMAX_OPS and e.input_shapes and len(e.input_shapes[0]) >= 3
+    }
+    return fused, maps
 
 
 def compose_config(*overrides: str) -> DictConfig:

@@ -33,10 +33,12 @@ class DeviceTransform:
         std: tuple[float, ...],
         *,
         train: bool,
+        device: torch.device | str = "cpu",
     ) -> None:
         self.cfg, self.out_size, self.train = cfg, out_size, train
-        self.mean = torch.tensor(mean).view(1, -1, 1, 1)
-        self.std = torch.tensor(std).view(1, -1, 1, 1)
+        # On the batches' device from the start: a copy from host memory in every step would be a host sync.
+        self.mean = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(std, device=device).view(1, -1, 1, 1)
 
     def __call__(self, images: torch.Tensor, part: slice = slice(None)) -> torch.Tensor:
         """Transform ``images[part]``. The random augmentation parameters are drawn for the whole batch, so each
@@ -57,8 +59,7 @@ class DeviceTransform:
             x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", antialias=True)
         if self.train and self.cfg.randaugment_ops:
             x = self._rand_augment(x)
-        mean, std = self.mean.to(x.device), self.std.to(x.device)
-        x = (x - mean) / std
+        x = (x - self.mean) / self.std
         if self.train and self.cfg.random_erasing:
             x = RandomErasing(self.cfg.random_erasing, mode="pixel", device=str(x.device))(x)
         return x[part] if per_image else x
