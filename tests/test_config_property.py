@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from clbench.config import validate
 from clbench.errors import ClbenchError
-from clbench.run import build_runtime, run_task
+from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
 from conftest import TINY, compose_config
 
 METHOD_KEYS = {

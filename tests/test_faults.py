@@ -19,9 +19,10 @@ from omegaconf import OmegaConf
 from safetensors.torch import save_file
 
 from clbench import files
-from clbench import run as run_module
 from clbench.errors import ClbenchError, DataError, Interrupted
-from clbench.run import Runtime, build_runtime, train
+from clbench.loop import step as step_module
+from clbench.loop import train
+from clbench.loop.runtime import Runtime, build_runtime
 from conftest import TINY, clbench, run_command, tiny_config
 from test_resume import CHECKPOINTED, matrices
 
@@ -133,7 +134,7 @@ def test_weights_with_one_extra_tensor_are_refused(tmp_path: Path) -> None:
 def test_a_signal_during_start_up_ends_in_one_paragraph(tmp_path: Path) -> None:
     script = f"""
 import os, signal, sys
-import clbench.run as run
+import clbench.loop.run as run
 real = run.build_runtime
 def build(*a, **k):
     os.kill(os.getpid(), signal.SIGTERM)
@@ -231,7 +232,7 @@ def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     where = "evaluate" if method == "simplecil" else rng.choice(["step", "evaluate"])
     count = rng.randint(1, 7 if where == "evaluate" else 14)
     calls = {"n": 0}
-    real = run_module.train_step if where == "step" else Runtime.evaluate
+    real = step_module.train_step if where == "step" else Runtime.evaluate
 
     def crashing(*args: object, **kwargs: object) -> object:
         calls["n"] += 1
@@ -239,7 +240,7 @@ def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
             raise RuntimeError("power cut")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(*((run_module, "train_step") if where == "step" else (Runtime, "evaluate")), crashing)
+    monkeypatch.setattr(*((step_module, "train_step") if where == "step" else (Runtime, "evaluate")), crashing)
     with pytest.raises(RuntimeError, match="power cut"):
         train(tiny_config(*overrides), tmp_path / "cut")
     monkeypatch.undo()

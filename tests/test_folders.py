@@ -14,7 +14,7 @@ from scipy.io import savemat
 from clbench.config import DataConfig
 from clbench.data import build_benchmark
 from clbench.errors import ConfigError, DataError
-from clbench.run import train
+from clbench.loop import train
 from conftest import TINY, compose_config
 from test_data import write_cifar10
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from clbench.errors import ConfigError
+from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
 from clbench.methods.hat import HAT, annealed_s, capacity, compensation
-from clbench.run import build_runtime, run_task
 from conftest import tiny_config
 
 

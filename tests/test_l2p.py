@@ -10,8 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from clbench.errors import ConfigError
+from clbench.loop import train
+from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
 from clbench.methods.l2p import L2P, pull_loss
-from clbench.run import build_runtime, run_task, train
 from conftest import tiny_config
 
 L2P_TINY = ("method=l2p", "trainer.batch_size=16", "trainer.lr=1e-3")

@@ -15,8 +15,8 @@ import pytest
 
 from clbench.backbones.timm_vit import SHIPPED_WEIGHTS, WEIGHTS_DIR
 from clbench.config import validate
+from clbench.loop import train
 from clbench.results import Results
-from clbench.run import train
 from conftest import compose_config
 
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "simplecil")  # TIL forgetting 0: stored masks/prototypes

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from clbench.errors import ConfigError
+from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
 from clbench.methods.masking import (
     MaskedConv2d,
     MaskedLayer,
@@ -16,7 +18,6 @@ from clbench.methods.masking import (
     unpack_bits,
     wrap_layers,
 )
-from clbench.run import build_runtime, run_task
 from conftest import tiny_config
 
 

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from clbench.errors import ConfigError
+from clbench.loop.runtime import build_runtime
 from clbench.methods.meat import MEAT, drop_control_loss, hard_gumbel_keep
 from clbench.methods.token_masking import key_masked_attention
-from clbench.run import build_runtime
 from conftest import tiny_config
 
 MEAT_TINY = ("method=meat", "trainer.lr_scale_batch=null", "trainer.warmup_epochs=0", "trainer.batch_size=16")

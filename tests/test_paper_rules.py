@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from clbench.loop.runtime import Runtime, build_runtime
 from clbench.methods.base import Method
 from clbench.methods.hat import HAT, annealed_s, capacity, compensation
 from clbench.methods.l2p import L2P, pull_loss
@@ -27,7 +28,6 @@ from clbench.methods.packnet import PackNet
 from clbench.methods.piggyback import Piggyback
 from clbench.methods.supsup import SupSup
 from clbench.methods.token_masking import key_masked_attention
-from clbench.run import Runtime, build_runtime
 from conftest import tiny_config
 
 F64 = torch.float64
@@ -393,9 +393,9 @@ def test_hat_annealing_schedule() -> None:
     assert isinstance(method, HAT)
     task = rt.benchmark.tasks[0]
     method.before_step(task, 0, 9)  # the training loop's first batch of an epoch
-    assert method.s == pytest.approx(1 / 400)
+    assert float(method.s) == pytest.approx(1 / 400)
     method.before_step(task, 8, 9)  # its last
-    assert method.s == pytest.approx(400.0)
+    assert float(method.s) == pytest.approx(400.0)
 
 
 def ref_compensation(e: torch.Tensor, s: float, s_max: float, thres_cosh: float) -> torch.Tensor:
@@ -417,7 +417,7 @@ def test_hat_embedding_gradient_compensation() -> None:
     task = rt.benchmark.tasks[0]
     method.before_task(task)
     gen = torch.Generator().manual_seed(4)
-    method.s = 12.5
+    method.s.fill_(12.5)
     grads = {}
     for key, emb in method.embeddings[0].items():
         emb.grad = torch.randn(emb.shape, generator=gen)
@@ -486,7 +486,7 @@ def test_hat_gates_forward_regulariser_and_cumulative_attention() -> None:
                 method.features(x, task.id), ref_features(vit, x, gates=gates_at(task.id, s_max))
             )
         method.train()
-        method.s = 0.9  # somewhere in the annealing
+        method.s.fill_(0.9)  # somewhere in the annealing
         with torch.no_grad():
             torch.testing.assert_close(method.features(x, task.id), ref_features(vit, x, gates=gates_at(task.id, 0.9)))
             y = rt.benchmark.test[task.id].y[: len(x)]

@@ -14,8 +14,10 @@ from scipy.io import savemat
 from clbench.config import DataConfig, validate
 from clbench.data import build_benchmark
 from clbench.errors import DataError
+from clbench.loop.optim import build_optimizer
+from clbench.loop.runtime import Runtime, build_runtime
+from clbench.loop.step import train_step
 from clbench.methods import Method
-from clbench.run import Runtime, build_optimizer, build_runtime, train_step
 from conftest import compose_config
 from test_data import write_cifar100
 from test_folders import write_five_datasets, write_image_folder

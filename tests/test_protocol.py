@@ -14,7 +14,9 @@ import torch
 from clbench.config import validate
 from clbench.data import Benchmark, Split, Task, build_benchmark
 from clbench.errors import ConfigError
-from clbench.run import build_runtime, run_task, train
+from clbench.loop import train
+from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
 from conftest import TINY, clbench, compose_config, tiny_config
 
 

@@ -10,8 +10,8 @@ import torch
 
 from clbench.backbones import build_backbone
 from clbench.backbones.refiner import RefinerAttention, add_refiner
+from clbench.loop import train
 from clbench.methods.token_masking import key_masked_attention
-from clbench.run import train
 from conftest import tiny_config
 
 

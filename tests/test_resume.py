@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from clbench import checkpoint
-from clbench import run as run_module
 from clbench.errors import ConfigError, DataError
-from clbench.run import Runtime, train
+from clbench.loop import step as step_module
+from clbench.loop import train
+from clbench.loop.runtime import Runtime
 from conftest import TINY, clbench, run_command, tiny_config
 
 CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2", "data.val_fraction=0.2")
@@ -49,7 +50,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
 
     where, count = crash_at
     calls = {"n": 0}
-    real = run_module.train_step if where == "step" else Runtime.evaluate
+    real = step_module.train_step if where == "step" else Runtime.evaluate
 
     def crashing(*args, **kwargs):
         calls["n"] += 1
@@ -58,7 +59,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
         return real(*args, **kwargs)
 
     if where == "step":
-        monkeypatch.setattr(run_module, "train_step", crashing)
+        monkeypatch.setattr(step_module, "train_step", crashing)
     else:
         monkeypatch.setattr(Runtime, "evaluate", crashing)
     with pytest.raises(RuntimeError, match="power cut"):
@@ -76,7 +77,7 @@ def clbench_killing_itself(run_dir: Path, kill: str, after: int, *overrides: str
     submitit does."""
     script = f"""
 import os, signal, sys
-import clbench.checkpoint as ckpt, clbench.run as run
+import clbench.checkpoint as ckpt, clbench.loop.step as run
 count = {{"n": 0}}
 def requeue(signum, frame):
     position, _ = ckpt.load(__import__("pathlib").Path("{run_dir}"))

@@ -9,12 +9,14 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from clbench import run as run_module
 from clbench.config import validate
 from clbench.errors import ClbenchError, ConfigError, DataError
+from clbench.loop import train
+from clbench.loop.optim import lr_factor
+from clbench.loop.runtime import Runtime, build_runtime
+from clbench.loop.task import run_task
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
-from clbench.run import build_runtime, lr_factor, run_task, train
 from conftest import TINY, compose_config, tiny_config
 
 TASKS = 3
@@ -93,14 +95,14 @@ def test_wandb_offline_writes_a_run_folder(tmp_path: Path) -> None:
 def test_a_failing_run_records_the_failure_and_keeps_finished_tasks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    real_evaluate = run_module.Runtime.evaluate
+    real_evaluate = Runtime.evaluate
 
     def evaluate_then_fail(self, method, task_ids, scenarios=("til", "cil"), split="test"):
         if len(task_ids) == 2 and scenarios == ("til", "cil"):  # after task 1
             raise RuntimeError("disk on fire")
         return real_evaluate(self, method, task_ids, scenarios, split)
 
-    monkeypatch.setattr(run_module.Runtime, "evaluate", evaluate_then_fail)
+    monkeypatch.setattr(Runtime, "evaluate", evaluate_then_fail)
     with pytest.raises(RuntimeError, match="disk on fire"):
         run_tiny(tmp_path, "trainer.eval_random_init=false")
     res = json.loads((tmp_path / "results.json").read_text())
@@ -192,7 +194,9 @@ def test_reevaluating_a_corrupt_or_foreign_folder_is_a_clear_error(tmp_path: Pat
 def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> None:
     """Frozen parts (pretrained weights under masks, other tasks' heads, PackNet's and HAT's frozen biases and
     norms after task 0) are left out of autograd: after a real step their .grad is None."""
-    from clbench.run import build_optimizer, finish_untrained, train_step
+    from clbench.loop.optim import build_optimizer
+    from clbench.loop.resume import finish_untrained
+    from clbench.loop.step import train_step
 
     extra = ("method.retrain_epochs=0",) if method == "packnet" else ()
     cfg = tiny_config(f"method={method}", *extra)

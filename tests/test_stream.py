@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from clbench import run as run_module
 from clbench.config import DataConfig
 from clbench.data import benchmark as benchmark_module
 from clbench.data import build_benchmark
@@ -23,7 +22,8 @@ from clbench.data import sources as sources_module
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
 from clbench.errors import DataError
-from clbench.run import train
+from clbench.loop import step as step_module
+from clbench.loop import train
 from conftest import TINY, run_command, tiny_config
 from test_folders import folder_config, write_image_folder
 from test_resume import matrices
@@ -197,7 +197,7 @@ def test_a_streamed_run_and_its_resume_match_the_device_store(tmp_path: Path, mo
     assert json.loads((tmp_path / "stream" / "results.json").read_text())["config"]["data"]["store"] == "stream"
 
     calls = {"n": 0}
-    real = run_module.train_step
+    real = step_module.train_step
 
     def crashing(*args, **kwargs):  # task 0, in the middle of its second epoch
         calls["n"] += 1
@@ -205,7 +205,7 @@ def test_a_streamed_run_and_its_resume_match_the_device_store(tmp_path: Path, mo
             raise RuntimeError("power cut")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(run_module, "train_step", crashing)
+    monkeypatch.setattr(step_module, "train_step", crashing)
     with pytest.raises(RuntimeError, match="power cut"):
         train(tiny_config(*overrides, *STREAM[:2], cache), tmp_path / "cut")
     monkeypatch.undo()

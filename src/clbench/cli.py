@@ -1,4 +1,4 @@
-"""`clbench`: compose the config with Hydra, validate it, run :func:`clbench.run.train`. Nothing else."""
+"""`clbench`: compose the config with Hydra, validate it, run :func:`clbench.loop.train`. Nothing else."""
 
 from __future__ import annotations
 
@@ -152,7 +152,7 @@ def app(cfg: DictConfig) -> float | None:
         if multirun:
             share_cores(hydra_cfg.launcher)
         from clbench import distributed  # heavy imports (torch, timm) only once the config is known to be valid
-        from clbench.run import train
+        from clbench.loop import train
 
         ranks = distributed.init(run_cfg.trainer.device)
         run_dir = Path(ranks.broadcast(hydra_cfg.runtime.output_dir))  # torchrun: rank 0's folder for every rank

@@ -190,7 +190,12 @@ class TrainerConfig:
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     eval_random_init: bool = True  # measure b_j (accuracy before any training) for FWT
     log_every: int = 20  # train-loss logging period in steps (each log is one host sync)
-    compile: bool = False  # torch.compile every transformer block (falls back to eager where it cannot)
+    # torch.compile the method's forward and loss: auto (on CUDA; off on the CPU, where compiling costs more than it
+    # saves) | true | false. A compile failure warns once and trains eagerly.
+    compile: bool | str = "auto"
+    # The whole training step as one CUDA graph, replayed for every full batch: auto (on CUDA where the step is
+    # static: one process, no host-drawn augmentation) | true (refused where it cannot be) | false.
+    cuda_graphs: bool | str = "auto"
     checkpoint_every: int = 1  # epochs between checkpoints (0: only at the end of each task)
 
     def __post_init__(self) -> None:
@@ -224,6 +229,15 @@ class TrainerConfig:
         require(0 <= self.label_smoothing < 1, "trainer.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         require_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         require_choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
+        for key in ("compile", "cuda_graphs"):
+            value = getattr(self, key)
+            require(value in (True, False, "auto"), f"trainer.{key}", value, "auto, true or false")
+        require(
+            not (self.cuda_graphs is True and self.device == "cpu"),
+            "trainer.cuda_graphs",
+            True,
+            "auto or false with trainer.device=cpu (CUDA graphs need a CUDA device)",
+        )
 
 
 @dataclass
@@ -332,6 +346,13 @@ def validate(cfg: DictConfig) -> RunConfig:
         "plateau",
         "plateau once data.val_fraction > 0 (e.g. 0.1): it reads the validation loss after every epoch",
     )
+    blocker = host_drawn_augmentation(groups["trainer"], groups["data"])
+    require(
+        groups["trainer"].cuda_graphs is not True or blocker is None,
+        "trainer.cuda_graphs",
+        True,
+        f"auto or false here: {blocker}",
+    )
     objective, on_test = cfg.get("objective"), cfg.get("objective_on_test", False)
     require(isinstance(on_test, bool), "objective_on_test", on_test, "true or false")
     if objective is not None:
@@ -345,6 +366,18 @@ def validate(cfg: DictConfig) -> RunConfig:
         objective=None if objective is None else str(objective),
         objective_on_test=on_test,
     )
+
+
+def host_drawn_augmentation(trainer: TrainerConfig, data: DataConfig) -> str | None:
+    """Why a training step cannot be replayed as one CUDA graph whatever the device: an augmentation that draws its
+    random choices on the host for every batch or image (a graph would replay the first draw); None if none does."""
+    if trainer.mixup or trainer.cutmix:
+        return "trainer.mixup/cutmix draw the mixing on the host for every batch"
+    if data.randaugment_ops:
+        return "data.randaugment_ops draws each image's operations on the host"
+    if data.random_erasing:
+        return "data.random_erasing draws each image's box on the host"
+    return None
 
 
 def check_objective(name: str, on_test: bool, data: DataConfig) -> None:

@@ -44,7 +44,7 @@ def reevaluate(run_dir: Path, device: str | None = None) -> dict[str, list[float
         raise DataError(f"{path} is corrupt ({err}); the run's tasks cannot be evaluated again.") from None
     if device is not None:
         cfg.trainer.device = device
-    from clbench.run import build_runtime  # torch and timm only once the folder is known to be usable
+    from clbench.loop.runtime import build_runtime  # torch and timm only once the folder is known to be usable
 
     method, rt = build_runtime(cfg)
     try:

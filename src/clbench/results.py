@@ -30,6 +30,7 @@ class Results:
         self.timing: dict[str, list[float]] = {"train_s": [], "eval_s": [], "train_images_per_s": []}
         self.storage: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}
+        self.acceleration: dict[str, Any] = {}  # how the step ran: compiled, CUDA graphs, compile time, fallbacks
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results (the rest comes from the config)."""
@@ -114,6 +115,7 @@ class Results:
             **({"objective": self.objective} if self.objective else {}),
             "storage": self.storage,
             "timing": self.timing,
+            **({"acceleration": self.acceleration} if self.acceleration else {}),
             **self.extra,
         }
 

@@ -50,6 +50,10 @@ class Method(nn.Module):
     task_conditioned: ClassVar[bool] = False
     changes_backbone: ClassVar[bool] = True  # its backbone weights are saved with the run (artifacts)
     soft_targets: ClassVar[bool] = False  # its loss is cross-entropy over the task's classes (:meth:`task_loss`)
+    # Its training step can be replayed as one CUDA graph: every value that changes from step to step is a device
+    # tensor written in place (HAT's s) or drawn on the device (MEAT's Gumbel noise), never a Python number or a
+    # host-side draw read inside ``training_loss``/``after_backward``/``after_step``.
+    graph_safe: ClassVar[bool] = True
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()
@@ -94,7 +98,8 @@ class Method(nn.Module):
         raise NotImplementedError
 
     def before_step(self, task: Task, batch: int, num_batches: int) -> None:
-        """Called before each training step with the batch's index within its epoch (HAT's annealing)."""
+        """Called before each training step with the batch's index within its epoch (HAT's annealing). It runs
+        outside a captured step: what it sets must be written in place into device tensors the step reads."""
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         """Loss on a batch of ``task`` (``y`` holds global labels) and device-side scalars to log."""

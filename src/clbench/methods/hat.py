@@ -73,7 +73,7 @@ def annealed_s(batch: int, num_batches: int, s_max: float) -> float:
     return 1 / s_max + (s_max - 1 / s_max) * batch / (num_batches - 1)
 
 
-def compensation(e: torch.Tensor, s: float, s_max: float, thres_cosh: float) -> torch.Tensor:
+def compensation(e: torch.Tensor, s: float | torch.Tensor, s_max: float, thres_cosh: float) -> torch.Tensor:
     """Sec. 2.5: the factor on the embedding gradient, s_max (cosh(s e) + 1) / (s (cosh(e) + 1))."""
     return s_max / s * (torch.cosh(torch.clamp(s * e, -thres_cosh, thres_cosh)) + 1) / (torch.cosh(e) + 1)
 
@@ -128,7 +128,9 @@ class HAT(Method):
         for key, n in self.units.items():
             self.register_buffer(f"cum_{key}", torch.zeros(n, device=device))  # a^{<t}
         self.embeddings = nn.ModuleList()  # per task: a ParameterDict of e^t per gated layer
-        self.s = config.s_max
+        # The annealed s of the current step: a device tensor written in place by before_step, so that a compiled or
+        # CUDA-graph step reads the new value every step (a Python float would be baked into the graph).
+        self.register_buffer("s", torch.tensor(config.s_max, device=device), persistent=False)
         self._multipliers: list[torch.Tensor] = []  # per protected parameter, fixed during a task
         self._before: list[torch.Tensor] = []
 
@@ -164,7 +166,7 @@ class HAT(Method):
     def cumulative(self, key: str) -> torch.Tensor:
         return getattr(self, f"cum_{key}")
 
-    def gates(self, task_id: int, s: float) -> dict[str, torch.Tensor]:
+    def gates(self, task_id: int, s: float | torch.Tensor) -> dict[str, torch.Tensor]:
         """a^t = sigmoid(s e^t) per gated layer."""
         return {key: torch.sigmoid(s * e) for key, e in self.embeddings[task_id].items()}
 
@@ -212,7 +214,7 @@ class HAT(Method):
         ]
 
     def before_step(self, task: Task, batch: int, num_batches: int) -> None:
-        self.s = annealed_s(batch, num_batches, self.config.s_max)
+        self.s.fill_(annealed_s(batch, num_batches, self.config.s_max))
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         ce = self.task_loss(self.heads[task.id](self.features(x, task.id)), y, task)

@@ -15,7 +15,7 @@ from sklearn.linear_model import LogisticRegression
 
 from clbench.config import RunConfig
 from clbench.data import Split
-from clbench.run import build_runtime
+from clbench.loop.runtime import build_runtime
 
 
 @torch.no_grad()

@@ -16,15 +16,13 @@ training step spent waiting for streamed data, and memory as the dataset grows.
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from clbench.bench import Steps
+from clbench.bench.timing import Entry, cycle, device_of
 
 DATA = ("data/stream", "reference/imagefolder", "finetune/stream")
 SCALES = (1, 10, 100)
@@ -57,20 +55,6 @@ def prepare(args: argparse.Namespace) -> None:
         write_jpeg_folder(folder, args.data_images, max(48, args.image_size * 3 // 2))
 
 
-def cycle(batches: Callable[[], Iterator[Any]]) -> Callable[[], Any]:
-    """A step that returns the next batch, starting a new epoch when one ends."""
-    state: dict[str, Iterator[Any]] = {"it": batches()}
-
-    def step() -> Any:
-        try:
-            return next(state["it"])
-        except StopIteration:
-            state["it"] = batches()
-            return next(state["it"])
-
-    return step
-
-
 def stream_overrides(args: argparse.Namespace) -> tuple[str, ...]:
     """The JPEG folder as one task of a streamed image-folder benchmark."""
     return (
@@ -88,27 +72,17 @@ def stream_overrides(args: argparse.Namespace) -> tuple[str, ...]:
     )
 
 
-def device_of(args: argparse.Namespace) -> torch.device:
-    from clbench.run import resolve_device
-
-    return resolve_device(args.device)
-
-
-def stream_step(args: argparse.Namespace) -> Steps:
-    from hydra import compose, initialize_config_dir
-
-    from clbench.cli import config_dir
-    from clbench.config import validate
+def stream_step(args: argparse.Namespace) -> Entry:
+    from clbench.bench.timing import compose
     from clbench.data import build_benchmark
 
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        cfg = validate(compose("config", overrides=["data=synthetic_tiny", *stream_overrides(args)]))
+    cfg = compose(["data=synthetic_tiny", *stream_overrides(args)])
     device = device_of(args)
     split = build_benchmark(cfg.data, device).train[0]
-    return cycle(lambda: split.batches(args.batch_size, shuffle=True)), None, device
+    return Entry(cycle(lambda: split.batches(args.batch_size, shuffle=True)), device)
 
 
-def imagefolder_step(args: argparse.Namespace) -> Steps:
+def imagefolder_step(args: argparse.Namespace) -> Entry:
     from torch.utils.data import DataLoader
     from torchvision.datasets import ImageFolder
     from torchvision.transforms import v2
@@ -129,17 +103,17 @@ def imagefolder_step(args: argparse.Namespace) -> Steps:
     def batches() -> Iterator[torch.Tensor]:
         return (x.to(device, non_blocking=True) for x, _ in loader)
 
-    return cycle(batches), None, device
+    return Entry(cycle(batches), device)
 
 
-def finetune_stream_step(args: argparse.Namespace) -> Steps:
+def finetune_stream_step(args: argparse.Namespace) -> Entry:
     """Finetune's real step on streamed batches of the JPEG folder; returns the step and a probe of the waiting time."""
-    from clbench.bench import method_step
+    from clbench.bench.models import method_step
 
     return method_step(args, "finetune", stream_overrides(args))
 
 
-def memory_step(args: argparse.Namespace, name: str) -> Steps:
+def memory_step(args: argparse.Namespace, name: str) -> Entry:
     """An epoch over ``k`` x CIFAR-100's test set of random 32 px images, streamed or held (see the module's doc)."""
     from clbench.data.benchmark import Split
     from clbench.data.stream import DiskImages
@@ -164,10 +138,10 @@ def memory_step(args: argparse.Namespace, name: str) -> Steps:
         batch()
         AnonPeak.sample()
 
-    return step, None, device
+    return Entry(step, device)
 
 
-def build(args: argparse.Namespace, name: str) -> Steps:
+def build(args: argparse.Namespace, name: str) -> Entry:
     if name == "data/stream":
         return stream_step(args)
     if name == "reference/imagefolder":
@@ -199,21 +173,3 @@ class AnonPeak:
     @classmethod
     def sample(cls) -> None:
         cls.peak = max(cls.peak, anon_mb())
-
-
-class Waits:
-    """Streamed batches for a training step, with the time each ``next()`` waited for its batch."""
-
-    def __init__(self, split: Any, batch_size: int) -> None:
-        self.batch = cycle(lambda: split.batches(batch_size, shuffle=True))
-        self.seconds: list[float] = []
-
-    def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        start = time.perf_counter()
-        out = self.batch()
-        self.seconds.append(time.perf_counter() - start)
-        return out
-
-    def mean(self, last: int) -> float:
-        """The mean wait of the ``last`` batches (the timed ones, after the warm-up)."""
-        return float(np.mean(self.seconds[-last:]))

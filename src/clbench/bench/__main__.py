@@ -1,0 +1,3 @@
+from clbench.bench.cli import main
+
+main()

@@ -1,0 +1,207 @@
+"""`make bench` / `python -m clbench.bench`: training-step throughput of every method against plain timm references
+(:mod:`clbench.bench.models`) and of the data path (:mod:`clbench.bench.data`).
+
+Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
+runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
+``--rounds K`` measures the whole list K times, interleaved, and keeps each entry's median round, so that drift
+of a shared machine affects every entry alike (ratios between entries are then trustworthy).
+FLOPs of one step are counted with torch's FlopCounterMode on the eager step on every device; model-FLOP
+utilisation = FLOPs / step time / the device's dense bf16 peak (from a table of GPUs, or ``--peak-flops``), null
+where no peak is known (CPU). A method's ``data_ms`` is the part of its step spent fetching the batch and augmenting
+it on the device. Methods step as a run would (``--compile``, ``--cuda-graphs``: auto, as ``trainer.*``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import resource
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from clbench.bench import data as bench_data
+from clbench.bench.models import INFERENCE, METHODS, REFERENCES, inference_step, method_step, reference_step
+from clbench.bench.timing import Waits, peak_flops, step_flops, timed
+
+
+def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One entry, measured in this process (run in a fresh one by :func:`main`)."""
+    torch.manual_seed(0)
+    if name in bench_data.ENTRIES:
+        build = bench_data.build
+    else:
+        build = reference_step if name in REFERENCES else inference_step if name in INFERENCE else method_step
+    entry = build(args, name)
+    device, data = entry.device, entry.data
+    if name in bench_data.MEMORY:
+        bench_data.AnonPeak.reset()
+    seconds = timed(entry.step, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats)
+    if isinstance(data, Waits):
+        data_s = data.mean(args.steps * args.repeats)
+    else:
+        data_s = timed(data, device, warmup=args.warmup, steps=args.steps, repeats=args.repeats) if data else None
+    model_entry = name not in bench_data.ENTRIES or name == "finetune/stream"
+    flops = step_flops(entry.flops or entry.step) if model_entry else 0
+    peak = peak_flops(device, args.peak_flops)
+    if device.type == "cuda":
+        peak_mem = torch.cuda.max_memory_allocated(device) / 2**20
+    elif name in bench_data.MEMORY:
+        peak_mem = bench_data.AnonPeak.peak
+    else:
+        peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return {
+        "name": name,
+        "backbone": args.backbone,
+        "batch_size": args.batch_size,
+        "image_size": args.image_size,
+        "images_per_s": round(args.batch_size / seconds, 1),
+        "step_ms": round(1000 * seconds, 2),
+        "peak_mem_mb": round(peak_mem, 1),
+        "mfu": round(flops / seconds / peak, 4) if peak else None,
+        "gflops_per_step": round(flops / 1e9, 3),
+        "data_ms": None if data_s is None else round(1000 * data_s, 3),
+    }
+
+
+def target_ratios(results: list[dict[str, Any]]) -> dict[str, float | None]:
+    """The README's step-time targets as ratios of measured entries (None where an entry is missing):
+    finetune's speed relative to timm_train (>= 0.9 CPU, >= 0.95 CUDA) and to timm_compiled (>= 1.0 CUDA), the slowest
+    other method's step over finetune's (<= 1.25), L2P's step over timm_frozen + timm_inference (<= 1.5)."""
+    ms = {r["name"]: r["step_ms"] for r in results if "step_ms" in r}
+    finetune, train = ms.get("finetune"), ms.get("reference/timm_train")
+    others = [v for k, v in ms.items() if k in METHODS and k not in ("finetune", "l2p")]
+    frozen, inference = ms.get("reference/timm_frozen"), ms.get("reference/timm_inference")
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return round(a / b, 3) if a and b else None
+
+    return {
+        "finetune_speed_vs_timm_train": ratio(train, finetune),
+        "finetune_speed_vs_timm_compiled": ratio(ms.get("reference/timm_compiled"), finetune),
+        "slowest_method_step_vs_finetune": ratio(max(others, default=None), finetune),
+        "l2p_step_vs_frozen_plus_inference": ratio(ms.get("l2p"), frozen + inference if frozen and inference else None),
+    }
+
+
+def median_round(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median step time (the lower middle for an even count); an error if every round failed."""
+    timed_ok = sorted((e for e in entries if "step_ms" in e), key=lambda e: e["step_ms"])
+    return timed_ok[(len(timed_ok) - 1) // 2] if timed_ok else entries[-1]
+
+
+def _child(args: argparse.Namespace, name: str, queue: mp.Queue) -> None:
+    try:
+        queue.put(measure(args, name))
+    except Exception as err:  # reported in the table, the bench goes on
+        queue.put({"name": name, "error": f"{type(err).__name__}: {err}"})
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    cuda = torch.cuda.is_available()
+    parser = argparse.ArgumentParser(prog="clbench-bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backbone", default="vit_base_patch16_224" if cuda else "vit_micro")
+    parser.add_argument("--image-size", type=int, default=224 if cuda else 32)
+    parser.add_argument("--batch-size", type=int, default=128 if cuda else 32)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
+    )
+    parser.add_argument("--peak-flops", type=float, default=None, help="the device's dense bf16 peak (FLOP/s) for MFU")
+    for flag in ("compile", "cuda-graphs"):
+        key = flag.replace("-", "_")
+        parser.add_argument(f"--{flag}", choices=("auto", "true", "false"), default="auto", help=f"trainer.{key}")
+    # timm under torch.compile is the ceiling where methods compile (CUDA); on the CPU it is there on request
+    references = REFERENCES if cuda else tuple(r for r in REFERENCES if r != "reference/timm_compiled")
+    also = ", ".join((*INFERENCE, *bench_data.MEMORY, *(r for r in REFERENCES if r not in references)))
+    default = [*METHODS, *references, *bench_data.DATA]
+    parser.add_argument("--methods", nargs="+", default=default, help=f"entries (also {also})")
+    parser.add_argument("--workers", type=int, default=4, help="data entries: loader worker processes (both paths)")
+    parser.add_argument("--data-images", type=int, default=4096, help="data entries: JPEGs in the bench's folder")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="data entries' files, kept for the next bench (default: a temporary folder, removed at the end)",
+    )
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved")
+    parser.add_argument("--out", type=Path, default=Path("bench.json"))
+    args = parser.parse_args(argv)
+    known = [*METHODS, *REFERENCES, *INFERENCE, *bench_data.DATA, *bench_data.MEMORY]
+    unknown = set(args.methods) - set(known)
+    if unknown:
+        parser.error(f"unknown entries {sorted(unknown)}; choose from {known}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse(argv)
+    keep = args.data_dir is not None
+    args.data_dir = (args.data_dir or Path(tempfile.mkdtemp(prefix="clbench-bench-"))).resolve()
+    try:
+        run_entries(args)
+    finally:
+        if not keep:
+            shutil.rmtree(args.data_dir, ignore_errors=True)
+
+
+def run_entries(args: argparse.Namespace) -> None:
+    from rich.table import Table
+
+    from clbench.files import write_atomic
+    from clbench.tracking import console
+
+    if set(args.methods) & set(bench_data.DATA):
+        bench_data.prepare(args)
+    ctx = mp.get_context("spawn")
+    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.methods}
+    for r in range(args.rounds):
+        for name in args.methods:
+            queue = ctx.Queue()
+            proc = ctx.Process(target=_child, args=(args, name, queue))
+            proc.start()
+            proc.join()
+            entry = queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"}
+            rounds[name].append(entry)
+            console.print(f"round {r + 1}/{args.rounds} {name}: {entry.get('step_ms', entry.get('error'))}")
+    results = [median_round(entries) for entries in rounds.values()]
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    ratios = target_ratios(results)
+    report = {
+        "device": label,
+        "peak_bf16_flops": peak_flops(device, args.peak_flops),
+        "results": results,
+        "target_ratios": ratios,
+    }
+    write_atomic(args.out, json.dumps(report, indent=2))
+    table = Table(title=f"clbench bench on {label} ({args.backbone}, batch {args.batch_size}, {args.image_size}px)")
+    for column in ("entry", "images/s", "step ms", "data %", "GFLOP", "peak MB", "MFU", "vs timm_train"):
+        table.add_column(column, justify="left" if column == "entry" else "right", no_wrap=column == "entry")
+    ref = next((r for r in results if r["name"] == "reference/timm_train" and "step_ms" in r), None)
+    for r in results:
+        if "error" in r:
+            table.add_row(r["name"], "-", "-", "-", "-", "-", "-", r["error"][:60])
+            continue
+        ratio = f"{ref['step_ms'] / r['step_ms']:.2f}x" if ref else "-"
+        mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
+        data = "-" if r["data_ms"] is None else f"{100 * r['data_ms'] / r['step_ms']:.1f}"
+        speed = (f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", data, f"{r['gflops_per_step']:.2f}")
+        table.add_row(r["name"], *speed, f"{r['peak_mem_mb']:.0f}", mfu, ratio)
+    console.print(table)
+    console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
+    console.print("targets: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The optimizer and learning-rate schedule of one phase.
+
+One optimizer over the method's parameter groups (AdamW, Adam or SGD; fused on CUDA). On CUDA every group's learning
+rate is a device tensor that the schedule fills in place, so a captured CUDA graph of the step reads the current rate
+at every replay and the eager step never copies a rate to the device (:func:`rates_on_device`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from typing import Any
+
+import torch
+
+from clbench.config import TrainerConfig
+from clbench.methods import Method
+
+
+def build_optimizer(method: Method, groups: list[dict[str, Any]], cfg: TrainerConfig) -> torch.optim.Optimizer:
+    """One optimizer over the method's groups. A group without ``weight_decay`` gets ``trainer.weight_decay``
+    except on biases, norms and position/class tokens; the batch-size scaling rule applies to every lr. On CUDA the
+    optimizer is fused and capturable (its state and step count live on the device)."""
+    scale = cfg.batch_size / cfg.lr_scale_batch if cfg.lr_scale_batch else 1.0
+    exempt = method.no_weight_decay_ids()
+    final: list[dict[str, Any]] = []
+    for group in groups:
+        params = [p for p in group["params"] if p.requires_grad]
+        base = {**group, "lr": group.get("lr", cfg.lr) * scale}
+        if "weight_decay" in group:
+            final.append({**base, "params": params})
+            continue
+        decay = [p for p in params if id(p) not in exempt]
+        free = [p for p in params if id(p) in exempt]
+        final += [
+            {**base, "params": decay, "weight_decay": cfg.weight_decay},
+            {**base, "params": free, "weight_decay": 0.0},
+        ]
+    final = [g for g in final if g["params"]]
+    if not final:
+        raise RuntimeError(f"{type(method).__name__} returned no trainable parameters")
+    cuda = all(p.is_cuda for g in final for p in g["params"])
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(final, lr=cfg.lr, momentum=cfg.momentum, **({"fused": True} if cuda else {}))
+    opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+    return opt_cls(final, lr=cfg.lr, **({"fused": True, "capturable": True} if cuda else {}))
+
+
+def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr`` (or constant); a factor on each group's lr."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if cfg.schedule != "cosine" or total <= warmup:
+        return 1.0
+    progress = (step - warmup) / (total - warmup)
+    floor = cfg.min_lr / cfg.lr
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def rates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Make every group's learning rate a tensor on ``device`` (CUDA) holding its current value, after the optimizer
+    and its schedule are built or loaded from a checkpoint; torch's schedulers then fill it in place. Elsewhere the
+    rates stay floats."""
+    if device.type != "cuda":
+        return
+    for group in optimizer.param_groups:
+        group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32, device=device)
+
+
+@functools.cache
+def schedulers_fill_tensor_rates() -> bool:
+    """Whether this torch's learning-rate schedulers write a tensor rate in place (``fill_``) rather than replacing it
+    with a float: a CUDA graph reads the tensor it captured, so a replaced one would freeze the rate."""
+    rate = torch.tensor(1.0)
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5**s)
+    optimizer.param_groups[0]["lr"] = rate
+    with warnings.catch_warnings():  # "scheduler.step() before optimizer.step()": no optimizer step is wanted here
+        warnings.simplefilter("ignore")
+        schedule.step()
+    return optimizer.param_groups[0]["lr"] is rate and float(rate) == 0.5
+
+
+def current_lr(schedule: torch.optim.lr_scheduler.LRScheduler) -> float:
+    """The first group's learning rate as a float (a host sync where it is a device tensor: only when logged)."""
+    return float(schedule.get_last_lr()[0])

@@ -1,0 +1,81 @@
+"""Resuming a run from its checkpoint: what must match (:func:`identity`), and how a fresh method is brought to the
+checkpoint's state (:func:`replay` the lifecycle without training, then load every tensor)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from clbench import checkpoint
+from clbench.checkpoint import Position
+from clbench.comparable import flatten
+from clbench.config import RunConfig, as_dict
+from clbench.data import Task
+from clbench.errors import ConfigError
+from clbench.methods import Method
+from clbench.results import Results
+
+Saved = tuple[Position, dict[str, Any]]  # a loaded checkpoint
+
+
+def identity(cfg: RunConfig) -> dict[str, Any]:
+    """What must not change when a run is resumed: method, data, backbone, seed and the optimisation recipe."""
+    keep = ("epochs", "batch_size", "lr", "lr_scale_batch", "optimizer", "momentum", "weight_decay", "schedule")
+    keep += ("plateau_patience", "plateau_factor", "mixup", "cutmix", "label_smoothing")
+    trainer = as_dict(cfg.trainer)
+    return {
+        "method": cfg.method_target,
+        "method_config": as_dict(cfg.method),
+        "data": as_dict(cfg.data),
+        "backbone": as_dict(cfg.backbone),
+        "seed": cfg.seed,
+        "trainer": {k: trainer[k] for k in (*keep, "warmup_epochs", "min_lr", "grad_clip", "precision")},
+    }
+
+
+def check_identity(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> None:
+    """Refuse to resume ``run_dir`` with a checkpoint written for another run (naming every key that differs)."""
+    saved, now = flatten(state["identity"]), flatten(identity(cfg))
+    changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
+    if changed:
+        differ = "; ".join(
+            f"{k}: checkpoint {saved.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}" for k in changed
+        )
+        raise ConfigError(
+            f"Cannot resume {run_dir}: its checkpoint is for another run ({differ}). Resume with the run's own "
+            "settings, or start a new run in another folder. The folder is left as it was."
+        )
+
+
+def finish_untrained(method: Method, task: Task, epochs: int = 0) -> None:
+    """Take a started task through its phases' transitions and ``after_task`` without a training step
+    (PackNet still prunes): the lifecycle of the random-init probe and of a checkpoint's replay."""
+    for phase in method.phases(task, epochs):
+        method.before_phase(task, phase)
+    method.after_task(task)
+
+
+def replay(method: Method, tasks: list[Task], position: Position, epochs: int) -> None:
+    """Give a fresh method the structure it had at ``position`` (heads, per-task masks and buffers, state
+    machines) by walking the lifecycle without training; a checkpoint's tensors then replace every value."""
+    for task in tasks[: position.task]:
+        method.before_task(task)
+        finish_untrained(method, task, epochs)
+    if position.cursor is not None:
+        task = tasks[position.task]
+        method.before_task(task)
+        for phase in method.phases(task, epochs)[: position.cursor.phase + 1]:
+            method.before_phase(task, phase)
+
+
+def restore(
+    cfg: RunConfig, saved: Saved, method: Method, tasks: list[Task], results: Results
+) -> tuple[Position, str | None]:
+    """Bring ``method`` and ``results`` to the state of a checkpoint (checked with :func:`check_identity`); returns
+    the position to go on from and the W&B run id."""
+    position, state = saved
+    replay(method, tasks, position, cfg.trainer.epochs)
+    method.load_state_dict(state["method"])
+    results.restore(state["results"])
+    checkpoint.restore_rng(state["rng"])
+    return position, state["wandb_id"]

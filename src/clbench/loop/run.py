@@ -1,0 +1,240 @@
+"""The run, top to bottom: every method, benchmark and backbone goes through :func:`train`.
+
+train(cfg, run_dir)
+  lock the run folder, load its checkpoint when resuming
+  build_runtime: device, data, backbone, method, transforms, how the step runs      (loop/runtime.py)
+  accuracy of the untrained method on every task (b_j, for FWT)
+  for each task:
+    method.before_task; accuracy on the new task before training it
+    run_task: the method's phases -> epochs -> steps                                  (loop/task.py, loop/step.py)
+    method.after_task
+    evaluate every seen task (TIL and CIL; validation too) -> results.json, checkpoint, W&B
+  summary
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from clbench import __version__, checkpoint, distributed
+from clbench.backbones import sha256, weights_file
+from clbench.checkpoint import Cursor, Position
+from clbench.config import RunConfig, as_dict, full_config
+from clbench.data import Task
+from clbench.errors import Preempted
+from clbench.files import check_writable, lock_run_folder, remove_stale_temporaries, unlock_run_folder
+from clbench.loop.resume import Saved, check_identity, finish_untrained, identity, restore
+from clbench.loop.runtime import Runtime, build_runtime, describe
+from clbench.loop.signals import stop_signals
+from clbench.loop.task import Hooks, run_task
+from clbench.methods import Method
+from clbench.results import Results
+from clbench.tracking import WandbTracker, console, print_summary, say, write_run_files
+
+
+def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
+    """Run the whole experiment described by ``cfg``; results land in ``run_dir`` after every task. With
+    ``cfg.resume`` (true, or auto where a checkpoint exists) it continues from ``run_dir``'s checkpoint and ends
+    with the same results as an uninterrupted run. In a multi-process run (torchrun) every rank trains and
+    evaluates its share; only rank 0 writes the folder, the checkpoints and W&B."""
+    main = distributed.current().is_main
+    resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
+    # The checkpoint is loaded once, here: a missing, corrupt or foreign one is reported before the folder is touched
+    # or anything is built.
+    saved = checkpoint.load(run_dir) if resuming else None
+    if saved is not None:
+        check_identity(cfg, run_dir, saved[1])
+    if main:
+        check_writable(run_dir)
+    acquired = main and lock_run_folder(run_dir)
+    try:
+        if main:
+            remove_stale_temporaries(run_dir)
+        return train_in_folder(cfg, run_dir, name, main, saved)
+    finally:
+        if acquired:
+            unlock_run_folder(run_dir)
+
+
+def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
+    """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from."""
+    method, rt = build_runtime(cfg)
+    results = Results(header(cfg), rt.benchmark.tasks)
+    loaded = start_record(cfg, method, rt, results, main)
+    position, wandb_id = Position(0, 0), None
+    if saved is not None:
+        position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results)
+    logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
+    tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
+    results.header["wandb"] = tracker.identity()
+    if main:
+        for line in describe(cfg, method, rt, loaded):
+            say(line)
+    exit_code = 1
+    try:
+        if cfg.trainer.eval_random_init and saved is None:
+            results.random_init = measure_random_init(method, rt)
+        train_tasks(method, rt, results, tracker=tracker, run_dir=run_dir, position=position, main=main)
+        results.status = "finished"
+        if cfg.objective is not None:
+            results.objective = {"name": cfg.objective, "value": results.objective_value(cfg.objective)}
+        exit_code = 0
+    except Preempted as err:
+        results.status = "interrupted"
+        results.failure = f"{err}; resume with the same command and resume=true"
+        raise
+    except BaseException as err:
+        results.status = "failed"
+        results.failure = f"{type(err).__name__}: {err}"
+        raise
+    finally:
+        results.acceleration |= dataclasses.asdict(rt.log)
+        if main:
+            write_run_files(results, run_dir, heatmaps=results.stages > 0)
+        tracker.finish(results, run_dir, exit_code)
+    if main:
+        print_summary(results, run_dir)
+        if rt.log.compiled_graphs:
+            log = rt.log
+            say(f"torch.compile: {log.compiled_graphs} graphs, {log.compile_s:.1f} s in the steps that compiled them")
+    return results
+
+
+def train_tasks(
+    method: Method,
+    rt: Runtime,
+    results: Results,
+    *,
+    tracker: WandbTracker,
+    run_dir: Path,
+    position: Position,
+    main: bool,
+) -> None:
+    """Every task from ``position`` on: start it, train it, finish it, evaluate and record; a checkpoint after each."""
+    cfg = rt.cfg
+
+    def save(task_id: int, cursor: Cursor | None, step: int) -> None:
+        if main:
+            payload = {
+                "identity": identity(cfg),
+                "method": method.state_dict(),
+                "results": results.state(),
+                "wandb_id": tracker.run_id,
+            }
+            checkpoint.save(run_dir, Position(task_id, step, cursor), payload)
+
+    step = position.step
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    bars = Progress(*columns, TimeRemainingColumn(), console=console, transient=True, disable=not main)
+    with bars as progress, stop_signals() as stop:
+        for task in rt.benchmark.tasks[position.task :]:
+            cursor = position.cursor if task.id == position.task else None
+            if cursor is None:
+                start_task(method, task, rt, results)
+            start = time.perf_counter()
+            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop)
+            step, images = run_task(method, task, rt, epochs=cfg.trainer.epochs, step=step, cursor=cursor, hooks=hooks)
+            method.after_task(task)
+            if rt.device.type == "cuda":
+                torch.cuda.synchronize()
+            train_s = time.perf_counter() - start
+            eval_s = record_task(method, task, rt, results)
+            results.timing["train_s"].append(round(train_s, 3))
+            results.timing["eval_s"].append(round(eval_s, 3))
+            results.timing["train_images_per_s"].append(round(images / train_s, 1) if train_s > 0 else None)
+            if main:
+                write_run_files(
+                    results, run_dir, artifacts={k: v.cpu().contiguous() for k, v in method.artifacts().items()}
+                )
+            save(task.id + 1, None, step)
+            if main:
+                tracker.log_stage(results, run_dir, step)
+                say(stage_line(results, task, train_s, eval_s))
+
+
+def start_task(method: Method, task: Task, rt: Runtime, results: Results) -> None:
+    """``before_task`` (the new head, masks, pools), then the new task's TIL accuracy before training it (FWT's
+    R[j-1][j]; its CIL accuracy is 0: no guess can hit classes not yet seen)."""
+    method.before_task(task)
+    if task.id > 0:
+        before = rt.evaluate(method, [task.id], ("til",))
+        results.before_task["til"][task.id] = before.accuracy["til"][0]
+        results.before_task["cil"][task.id] = 0.0
+
+
+def record_task(method: Method, task: Task, rt: Runtime, results: Results) -> float:
+    """Evaluate every seen task (test, and validation where held out) into ``results``; returns the seconds it took."""
+    start = time.perf_counter()
+    seen = list(range(task.id + 1))
+    validation = rt.evaluate(method, seen, split="validation") if rt.benchmark.validation else None
+    results.add_stage(rt.evaluate(method, seen), validation)
+    results.storage = method.storage()
+    results.extra = method.extra_results()
+    return time.perf_counter() - start
+
+
+def stage_line(results: Results, task: Task, train_s: float, eval_s: float) -> str:
+    row = results.rows
+    return (
+        f"task {task.id}: TIL {row['til'][-1][task.id]:.1f}% / CIL {row['cil'][-1][task.id]:.1f}% on it; "
+        f"mean over seen tasks TIL {np.mean(row['til'][-1][: task.id + 1]):.1f}% "
+        f"CIL {np.mean(row['cil'][-1][: task.id + 1]):.1f}%  ({train_s:.1f}s train, {eval_s:.1f}s eval)"
+    )
+
+
+def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
+    """b_j for FWT: a copy of the untouched method goes through the protocol without a training step (also no
+    PackNet retraining); task j is evaluated right after its ``before_task`` (fresh head), as in the real run."""
+    probe = copy.deepcopy(method)
+    acc: dict[str, list[float]] = {"til": [], "cil": []}
+    with torch.random.fork_rng(devices=[rt.device] if rt.device.type == "cuda" else []):
+        for task in rt.benchmark.tasks:
+            probe.before_task(task)
+            for s, values in rt.evaluate(probe, [task.id]).accuracy.items():
+                acc[s] += values
+            finish_untrained(probe, task)
+    return acc
+
+
+def header(cfg: RunConfig) -> dict[str, Any]:
+    return {
+        "clbench_version": __version__,
+        "method": cfg.method_target.rsplit(".", 1)[-1].lower(),
+        "backbone": cfg.backbone.name,
+        "benchmark": cfg.data.name,
+        "seed": cfg.seed,
+        "class_order_seed": cfg.data.class_order_seed,
+        "method_config": as_dict(cfg.method),
+        "backbone_config": as_dict(cfg.backbone),
+        "config": full_config(cfg),
+    }
+
+
+def start_record(cfg: RunConfig, method: Method, rt: Runtime, results: Results, main: bool) -> Path | None:
+    """What results.json records before training (device, the weights file and its SHA-256, the seeded data splits,
+    how the step runs); warns where a frozen-backbone method would learn over random features. Returns the loaded
+    weights file."""
+    results.header["device"] = str(rt.device)
+    loaded = weights_file(cfg.backbone, method.backbone)
+    results.header["backbone_config"] |= {
+        "weights_file": str(loaded) if loaded else None,
+        "weights_sha256": sha256(loaded) if loaded else None,  # two runs on different weights never look alike
+    }
+    if rt.benchmark.splits:
+        results.header["data_splits"] = rt.benchmark.splits
+    results.acceleration = {"compile": rt.accel.compile, "cuda_graphs": rt.accel.graphs}
+    if main and not method.changes_backbone and loaded is None and not cfg.backbone.pretrained:
+        say(
+            f"[yellow]warning: {results.header['method']} keeps the backbone frozen, and {cfg.backbone.name} has no "
+            "pretrained weights (backbone.pretrained=false, no backbone.weights): it learns over random features, so "
+            "expect numbers near chance.[/yellow]"
+        )
+    return loaded

@@ -1,0 +1,230 @@
+"""One training step, and the ways it runs: eagerly, compiled, or replayed as one CUDA graph.
+
+A step (:func:`train_step`): device augmentation -> the method's loss under autocast -> backward -> the method's
+gradient surgery (``after_backward``) -> clipping -> the optimizer step -> the method's constraints (``after_step``).
+
+:class:`Stepper` runs the steps of one phase:
+
+- ``trainer.compile`` (auto: on CUDA): the method's forward and loss (``method.training_loss``: the backbone with the
+  method's masks, gates or prompts, and its loss terms) go through ``torch.compile``, its backward through the
+  compiled autograd graph. Full batches use the compiled loss; a batch of another size (an epoch's last) runs eagerly,
+  so no second graph is compiled for it. Dynamo's caches are reset at every phase (each task's heads and masks make a
+  new graph). A compile failure warns once and the run trains eagerly from then on.
+- ``trainer.cuda_graphs`` (auto: on CUDA where the step is static): the phase's first :data:`WARMUP_STEPS` full
+  batches run eagerly on a side stream (optimizer state, compilation, lazy initialisation), the next is captured as
+  one CUDA graph, and every full batch after it copies its images and labels into the captured input buffers and
+  replays the graph: every kernel of the step, the random augmentation and MEAT's Gumbel noise included (each replay
+  draws new numbers from the device generator). What changes from step to step outside the graph lives in device
+  tensors written before each replay: the learning rates (:func:`clbench.loop.optim.rates_on_device`) and HAT's
+  annealed s (``before_step``). A batch of another size runs eagerly on the same parameters, optimizer state and
+  learning-rate tensors. A capture that fails warns once and the run goes on eagerly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+import torch
+from timm.data import Mixup
+from torch import nn
+from torch._dynamo.exc import TorchDynamoException
+from torch._dynamo.utils import counters
+
+from clbench.data import Task
+from clbench.loop.runtime import Runtime
+from clbench.methods import Method
+from clbench.methods.base import Logs
+from clbench.tracking import say
+
+WARMUP_STEPS = 2  # eager steps of a phase before its capture: optimizer state, compilation and autotuning happen here
+StepOut = tuple[torch.Tensor, Logs]
+
+
+class TaskLoss(nn.Module):
+    """``method.training_loss`` on one task as a module: the unit DDP wraps to average gradients over ranks. A batch
+    of ``full`` rows goes through ``compiled`` (the compiled ``training_loss``) where there is one; if compiling it
+    fails, ``failed`` is told and the batch goes through the eager loss (tracing draws no random number, so the step
+    is the eager one)."""
+
+    def __init__(
+        self,
+        method: Method,
+        task: Task,
+        compiled: Callable[..., StepOut] | None = None,
+        full: int = 0,
+        failed: Callable[[Exception], None] | None = None,
+    ) -> None:
+        super().__init__()
+        self.method, self.task, self.compiled, self.full, self.failed = method, task, compiled, full, failed
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> StepOut:
+        if self.compiled is not None and len(x) == self.full:
+            try:
+                return self.compiled(x, y, self.task)
+            except TorchDynamoException as err:
+                if self.failed is None:
+                    raise
+                self.failed(err)
+        return self.method.training_loss(x, y, self.task)
+
+
+def train_step(
+    method: Method,
+    task: Task,
+    rt: Runtime,
+    x_raw: torch.Tensor,
+    y: torch.Tensor,
+    *,
+    optimizer: torch.optim.Optimizer,
+    params: list[torch.Tensor],
+    model: nn.Module | None = None,
+    mixing: Mixup | None = None,
+) -> StepOut:
+    """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
+    surgery, clipping, the optimizer step, the method's constraints. Returns the detached loss (no host sync).
+    ``model``: the :class:`TaskLoss` to run (DDP-wrapped in a multi-process run, where this rank trains on its share
+    of the batch, its loss weighted so that the averaged gradients are the whole batch's). ``mixing``: the phase's
+    :meth:`Runtime.mixup` (built once per phase, not per step)."""
+    part, weight = rt.ranks.shard(len(y))
+    method.batch_share = (len(y), part)
+    if mixing is not None and len(y) % 2 == 0:  # mixed over the whole batch, so each rank's share is one process's rows
+        x, y = mixing(rt.train_tf(x_raw), y - task.offset)  # soft targets over the task's classes
+        x = x[part]
+    else:  # an odd last batch is not mixed (timm's Mixup pairs images)
+        x = rt.train_tf(x_raw, part)
+    with rt.autocast:
+        y = y[part]
+        loss, logs = model(x, y) if model is not None else method.training_loss(x, y, task)
+    if weight != 1.0:
+        loss = loss * weight
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    method.after_backward(task)
+    if rt.cfg.trainer.grad_clip:
+        torch.nn.utils.clip_grad_norm_(params, rt.cfg.trainer.grad_clip)
+    optimizer.step()
+    method.after_step(task)
+    return loss.detach(), logs
+
+
+class StepGraph:
+    """A training step captured as one CUDA graph. :meth:`replay` copies a batch into the captured input buffers and
+    replays every kernel of the step; its outputs (the loss and the logged values) are the captured tensors,
+    overwritten by each replay."""
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], StepOut], x_raw: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x_raw.clone(), y.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph):
+            self.out = step(self.x, self.y)
+
+    def replay(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+        self.x.copy_(x_raw)
+        self.y.copy_(y)
+        self.graph.replay()
+        return self.out
+
+
+class Stepper:
+    """The training steps of one phase of ``task``, eager, compiled and/or replayed as a CUDA graph as
+    ``rt.accel`` says (see the module's docstring). Call it with each raw batch; it returns the detached loss and the
+    method's logged values, without a host sync."""
+
+    def __init__(
+        self, method: Method, task: Task, rt: Runtime, optimizer: torch.optim.Optimizer, mixing: Mixup | None = None
+    ) -> None:
+        self.method, self.task, self.rt, self.optimizer, self.mixing = method, task, rt, optimizer, mixing
+        self.params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.full = rt.cfg.trainer.batch_size
+        compiled = None
+        if rt.accel.compile:
+            torch._dynamo.reset()  # a phase's graph is new (its head, masks, optimizer groups): drop the last ones
+            compiled = torch.compile(method.training_loss, dynamic=False)
+        rows = len(range(self.full)[rt.ranks.shard(self.full)[0]])
+        self.loss = TaskLoss(method, task, compiled, rows, self.stop_compiling)
+        self.model = rt.ranks.wrap(self.loss, rt.device) if rt.ranks.size > 1 else self.loss
+        self.graph: StepGraph | None = None
+        self.warm = 0
+        self.side = torch.cuda.Stream(rt.device) if rt.accel.graphs else None
+
+    def __call__(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+        if not self.rt.accel.graphs or len(y) != self.full:
+            out = self.eager(x_raw, y)
+            if self.graph is not None:
+                self.optimizer.zero_grad(set_to_none=True)  # the graph keeps its own gradient buffers
+            return out
+        if self.graph is not None:
+            return self.graph.replay(x_raw, y)
+        if self.warm < WARMUP_STEPS:
+            self.warm += 1
+            return self.on_side_stream(x_raw, y)
+        try:
+            self.graph = StepGraph(self.eager, x_raw, y)
+        except (RuntimeError, TorchDynamoException) as err:  # nothing ran: the step is taken eagerly below
+            self.stop_graphs(err)
+            return self.eager(x_raw, y)
+        return self.graph.replay(x_raw, y)
+
+    def eager(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+        """:func:`train_step` through the (compiled) task loss. Compiling the forward is done, or fails over to eager,
+        in :class:`TaskLoss`; compiling the backward happens at the first ``backward()``, and a failure there falls
+        back to eager and retakes the step (its augmentation drawn anew)."""
+        record, before, start = self.rt.log, counters["stats"]["unique_graphs"], time.perf_counter()
+        try:
+            out = self.take(x_raw, y)
+        except TorchDynamoException as err:
+            if self.loss.compiled is None:
+                raise
+            self.stop_compiling(err)
+            return self.take(x_raw, y)
+        new = counters["stats"]["unique_graphs"] - before
+        if new:
+            record.compiled_graphs += new
+            record.compile_s += time.perf_counter() - start
+        return out
+
+    def take(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+        return train_step(
+            self.method,
+            self.task,
+            self.rt,
+            x_raw,
+            y,
+            optimizer=self.optimizer,
+            params=self.params,
+            model=self.model,
+            mixing=self.mixing,
+        )
+
+    def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+        """An eager warm-up step on a side stream, as CUDA graph capture wants its warm-up."""
+        assert self.side is not None
+        self.side.wait_stream(torch.cuda.current_stream(self.rt.device))
+        with torch.cuda.stream(self.side):
+            out = self.eager(x_raw, y)
+        torch.cuda.current_stream(self.rt.device).wait_stream(self.side)
+        return out
+
+    def stop_compiling(self, err: Exception) -> None:
+        self.loss.compiled = None
+        self.rt.accel = dataclasses.replace(self.rt.accel, compile=False)
+        self.rt.log.compile_failure = first_line(err)
+        say(
+            f"[yellow]warning: torch.compile failed ({first_line(err)}); this run trains eagerly from here on "
+            "(trainer.compile=false skips the attempt).[/yellow]"
+        )
+
+    def stop_graphs(self, err: Exception) -> None:
+        self.rt.accel = dataclasses.replace(self.rt.accel, graphs=False, why_not_graphs=f"capture failed: {err}")
+        self.rt.log.graph_failure = first_line(err)
+        say(
+            f"[yellow]warning: the training step could not be captured as a CUDA graph ({first_line(err)}); this run "
+            "steps without graphs from here on (trainer.cuda_graphs=false skips the attempt).[/yellow]"
+        )
+
+
+def first_line(err: Exception) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"[:300]

@@ -1,0 +1,274 @@
+"""One task: the method's phases, each a run of epochs over the task's training batches.
+
+:func:`run_task` walks ``method.phases(task)``: an ``observe`` phase is one pass without gradients
+(:func:`observe_pass`); a training phase (:class:`PhaseRun`) builds its optimizer and schedule, then for each epoch
+draws an order and hands every batch to the phase's :class:`~clbench.loop.step.Stepper`. The loss stays on the device;
+every ``trainer.log_every`` steps and at each epoch's end it is read once (one host sync) and checked to be finite.
+Checkpoints are written every ``trainer.checkpoint_every`` epochs and when a stop signal arrives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from rich.progress import Progress
+
+from clbench.checkpoint import Cursor
+from clbench.data import Split, Task
+from clbench.errors import Diverged, Preempted
+from clbench.loop.optim import build_optimizer, current_lr, lr_factor, rates_on_device
+from clbench.loop.runtime import Runtime
+from clbench.loop.step import Stepper
+from clbench.methods import Method
+from clbench.methods.base import Logs, Phase
+from clbench.plateau import Plateau
+from clbench.tracking import WandbTracker, console, say
+
+
+@dataclass
+class Hooks:
+    """What the run hands a task: where it logs (``tracker``, ``progress``), how it checkpoints (``save`` of a cursor
+    at a global step) and how it learns of a stop signal (``stop``: the signal number once one arrived)."""
+
+    tracker: WandbTracker | None = None
+    progress: Progress | None = None
+    save: Callable[[Cursor, int], None] | None = None
+    stop: Callable[[], int | None] | None = None
+
+    def signal(self) -> int | None:
+        return self.stop() if self.stop is not None else None
+
+
+def run_task(
+    method: Method,
+    task: Task,
+    rt: Runtime,
+    *,
+    epochs: int,
+    step: int = 0,
+    cursor: Cursor | None = None,
+    hooks: Hooks | None = None,
+) -> tuple[int, int]:
+    """Train ``method`` on ``task`` through its phases; returns (global step, images seen). With ``cursor`` it
+    continues a task a checkpoint interrupted (the phase's ``before_phase`` has run then)."""
+    hooks = hooks or Hooks()
+    split = Split.cat([rt.benchmark.train[j] for j in method.train_task_ids(task)])
+    start, images = cursor or Cursor(), 0
+    method.train()
+    for p, phase in enumerate(method.phases(task, epochs)):
+        if p < start.phase:
+            continue
+        resumed = cursor is not None and p == start.phase
+        if not resumed:
+            method.before_phase(task, phase)
+        if phase.observe:
+            images += observe_pass(method, task, split, rt, hooks.stop)
+            method.train()
+        elif phase.epochs:
+            run = PhaseRun(method, task, phase, p, split=split, rt=rt, hooks=hooks, resume=start if resumed else None)
+            step, seen = run.epochs(step)
+            images += seen
+    return step, images
+
+
+class PhaseRun:
+    """A training phase: its optimizer, learning-rate schedule (and plateau state), stepper and epochs; ``resume``:
+    the cursor of a checkpoint written inside this phase."""
+
+    def __init__(
+        self,
+        method: Method,
+        task: Task,
+        phase: Phase,
+        index: int,
+        *,
+        split: Split,
+        rt: Runtime,
+        hooks: Hooks,
+        resume: Cursor | None = None,
+    ) -> None:
+        cfg = rt.cfg.trainer
+        self.method, self.task, self.phase, self.index = method, task, phase, index
+        self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
+        self.per_epoch = split.num_batches(cfg.batch_size)
+        self.optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
+        total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)
+        self.plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, total, warmup, cfg) * (self.plateau.scale if self.plateau else 1.0)
+        )
+        if resume is not None and resume.optimizer is not None and resume.schedule is not None:
+            self.optimizer.load_state_dict(resume.optimizer)
+            self.schedule.load_state_dict(resume.schedule)
+        if resume is not None and self.plateau is not None and resume.plateau is not None:
+            self.plateau = dataclasses.replace(self.plateau, **resume.plateau)
+        rates_on_device(self.optimizer, rt.device)
+        mixing = rt.mixup(task)
+        self.rows = rt.ranks.rows(mirrored=mixing is not None)  # what this rank reads of each streamed batch
+        self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
+        self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
+
+    def epochs(self, step: int) -> tuple[int, int]:
+        """Every epoch of the phase from where it stands; returns (global step, images seen)."""
+        first = self.resume.epoch if self.resume is not None else 0
+        progress = self.hooks.progress
+        bar = (
+            progress.add_task(
+                f"task {self.task.id} {self.phase.name}",
+                total=self.phase.epochs * self.per_epoch,
+                completed=first * self.per_epoch,
+            )
+            if progress
+            else None
+        )
+        images = 0
+        for epoch in range(first, self.phase.epochs):
+            here = self.resume is not None and epoch == self.resume.epoch
+            step, seen = self.epoch(epoch, step, self.resume if here else None, bar)
+            images += seen
+            if not self.after_epoch(epoch, step):
+                break
+        if self.plateau is not None:
+            self.plateau.restore_best(self.method)
+        if progress and bar is not None:
+            progress.remove_task(bar)
+        return step, images
+
+    def epoch(self, epoch: int, step: int, resume: Cursor | None, bar: int | None) -> tuple[int, int]:
+        """The epoch's batches (from a checkpoint's batch and order when ``resume`` is set); returns (global step,
+        images seen)."""
+        cfg, rt, task, hooks = self.rt.cfg.trainer, self.rt, self.task, self.hooks
+        order = resume.order if resume is not None and resume.order is not None else self.split.permutation()
+        first_batch, started = resume.batch if resume is not None else 0, time.time()
+        epoch_loss = torch.zeros((), device=rt.device)
+        images = 0
+        batches = self.split.batches(cfg.batch_size, order=order, start=first_batch, rows=self.rows)
+        for batch, (x_raw, y) in enumerate(batches, first_batch):
+            self.method.before_step(task, batch, self.per_epoch)
+            loss, logs = self.stepper(x_raw, y)
+            self.schedule.step()
+            self.running += loss
+            epoch_loss += loss
+            step += 1
+            images += len(y)
+            signum = hooks.signal()
+            if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
+                signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
+            if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
+                self.log_steps(logs, epoch, step, bar)
+            if hooks.progress and bar is not None:
+                hooks.progress.advance(bar)
+            if signum is not None and hooks.save is not None:
+                hooks.save(self.cursor(epoch, batch + 1, order), step)
+                name = signal.Signals(signum).name
+                raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
+        done = self.per_epoch - first_batch  # 0 where a checkpoint was written after the epoch's last batch
+        if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
+            position = f"{where(task, self.phase, epoch)} (its end), step {step}"
+            values = {
+                "epoch_loss": check_finite(rt, epoch_loss, done, position),
+                "lr": current_lr(self.schedule),
+                "images_per_s": min(done * cfg.batch_size, len(self.split)) / max(time.time() - started, 1e-9),
+            }
+            log_epoch(
+                f"task {task.id} {self.phase.name} epoch {epoch + 1}/{self.phase.epochs}", values, rt, hooks, step
+            )
+        return step, images
+
+    def log_steps(self, logs: Logs, epoch: int, step: int, bar: int | None) -> None:
+        """The mean loss of the last ``log_every`` steps (checked finite) and the method's values: W&B, the bar."""
+        every = self.rt.cfg.trainer.log_every
+        mean_loss = check_finite(self.rt, self.running, every, f"{where(self.task, self.phase, epoch)}, step {step}")
+        self.running.zero_()
+        if self.hooks.tracker:
+            extra = {f"train/{k}": v.item() for k, v in logs.items()}
+            self.hooks.tracker.log({"train/loss": mean_loss, "train/lr": current_lr(self.schedule), **extra}, step)
+        if self.hooks.progress and bar is not None:
+            self.hooks.progress.update(bar, description=f"task {self.task.id} {self.phase.name} loss {mean_loss:.3f}")
+
+    def after_epoch(self, epoch: int, step: int) -> bool:
+        """The plateau schedule's validation and the periodic checkpoint; False once the plateau ends the phase."""
+        cfg, go_on = self.rt.cfg.trainer, True
+        if self.plateau is not None:
+            loss = validation_loss(self.method, self.task, self.rt)
+            go_on = self.plateau.update(loss, self.method, cfg.lr, cfg.min_lr)
+            if self.hooks.tracker:
+                self.hooks.tracker.log({"train/validation_loss": loss}, step)
+        if self.hooks.save is not None and cfg.checkpoint_every and (epoch + 1) % cfg.checkpoint_every == 0:
+            self.hooks.save(self.cursor(epoch + 1, 0, None), step)
+        return go_on
+
+    def cursor(self, epoch: int, batch: int, order: torch.Tensor | None) -> Cursor:
+        plateau = self.plateau.state() if self.plateau else None
+        return Cursor(self.index, epoch, batch, order, self.optimizer.state_dict(), self.schedule.state_dict(), plateau)
+
+
+def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, step: int) -> None:
+    """An epoch's line (loss, lr, images/s): to W&B and clbench.log always, and to the terminal where no progress bar
+    shows (a SLURM log, a pipe)."""
+    if hooks.tracker:
+        hooks.tracker.log({f"train/{k}": v for k, v in values.items()}, step)
+    say(
+        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {values['images_per_s']:.0f} images/s",
+        terminal=rt.ranks.is_main and not console.is_terminal,
+    )
+
+
+@torch.no_grad()
+def observe_pass(
+    method: Method, task: Task, split: Split, rt: Runtime, stop: Callable[[], int | None] | None = None
+) -> int:
+    """An ``observe`` phase: the task's training images once, in order, through the test transform (no augmentation)
+    and ``method.observe`` in eval mode, each rank its share of every batch; then the method's sums are added up over
+    the ranks. A stop signal ends it without a checkpoint: resuming repeats the pass from the task's start."""
+    method.eval()
+    for x_raw, y in split.batches(rt.cfg.trainer.batch_size, rows=rt.ranks.rows()):
+        part, weight = rt.ranks.shard(len(y))
+        if weight:
+            with rt.autocast:
+                method.observe(rt.test_tf(x_raw, part), y[part], task)
+        signum = stop() if stop is not None else None
+        if signum is not None:
+            raise Preempted(f"stopped by {signal.Signals(signum).name} while observing task {task.id}", signum)
+    for total in method.observations():
+        rt.ranks.sum_(total)
+    return len(split)
+
+
+@torch.no_grad()
+def validation_loss(method: Method, task: Task, rt: Runtime) -> float:
+    """Mean cross-entropy of ``task``'s validation images under its own head (TIL), the plateau schedule's signal."""
+    split = rt.benchmark.validation[task.id]
+    method.eval()
+    total = torch.zeros((), device=rt.device)
+    for x_raw, y in split.batches(rt.cfg.trainer.eval_batch_size, rows=rt.ranks.rows()):
+        part, weight = rt.ranks.shard(len(y))
+        if weight:
+            with rt.autocast:
+                logits = method.predict(rt.test_tf(x_raw, part), task.id)
+            total += F.cross_entropy(logits.float(), y[part] - task.offset, reduction="sum")
+    method.train()
+    return rt.ranks.sum_(total).item() / len(split)
+
+
+def where(task: Task, phase: Phase, epoch: int) -> str:
+    return f"task {task.id} ({phase.name} phase), epoch {epoch}"
+
+
+def check_finite(rt: Runtime, running: torch.Tensor, steps: int, position: str) -> float:
+    """The mean of the last ``steps`` losses (summed over ranks: one host sync); a non-finite one stops the run with
+    :class:`Diverged` before the task can be recorded as trained."""
+    mean_loss = rt.ranks.sum_(running / (steps * rt.ranks.size)).item()
+    if not math.isfinite(mean_loss):
+        raise Diverged(
+            f"the mean training loss of the last {steps} steps is {mean_loss} at {position}; "
+            "lower trainer.lr or set trainer.grad_clip"
+        )
+    return mean_loss
