@@ -35,14 +35,15 @@ TINY = [
 ]
 
 
-def run_command(*command: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+def run_command(*command: str, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """A command as a user runs it, offline and unbuffered, with temporary files (torchrun's, W&B's) kept in
-    ``cwd/.scratch``; ``env`` adds variables. The exit code is what the tests check."""
+    ``cwd/.scratch``; ``env`` adds variables. The exit code is what the tests check; one still running after
+    ``timeout`` seconds fails the test."""
     scratch = cwd / ".scratch"
     scratch.mkdir(parents=True, exist_ok=True)
     offline = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
     return subprocess.run(  # noqa: PLW1510
-        command, cwd=cwd, env={**os.environ, **offline, **env}, capture_output=True, text=True, timeout=600
+        command, cwd=cwd, env={**os.environ, **offline, **env}, capture_output=True, text=True, timeout=timeout
     )
 
 

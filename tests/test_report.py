@@ -198,3 +198,41 @@ def test_nothing_to_report_exits_2_and_help_explains_the_rows(
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "except for the seed" in capsys.readouterr().out
+
+
+def test_a_run_found_twice_counts_once_and_the_duplicate_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two multirun folders holding seed 0 of one setting (they differ only in log_every): seeds 0 and 1 are two
+    runs, not three, and the std is theirs."""
+    write_run(tmp_path / "sweep" / "mr1" / "0", seed=0, values={"cil.final_acc": 60.0})
+    write_run(tmp_path / "sweep" / "mr1" / "1", seed=1, values={"cil.final_acc": 64.0})
+    write_run(
+        tmp_path / "sweep" / "mr2" / "0", seed=0, changes={"trainer.log_every": 5}, values={"cil.final_acc": 60.0}
+    )
+    out, rows = report(tmp_path, capsys)
+    (row,) = rows
+    assert row["runs"] == "2" and float(row["cil_final_acc_std"]) == pytest.approx(
+        statistics.stdev([60.0, 64.0]), abs=1e-4
+    )
+    assert "mr2/0" in out and "duplicate of" in out and "seed 0" in out
+
+
+def test_one_damaged_results_json_is_listed_and_the_rest_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_run(tmp_path / "sweep" / "0", seed=0)
+    write_run(tmp_path / "sweep" / "1", seed=1, values={"til.final_acc": "high"})  # type: ignore[dict-item]
+    out, rows = report(tmp_path, capsys)
+    assert rows[0]["runs"] == "1"
+    assert "unreadable results.json: metrics.til.final_acc is 'high', not a number" in out
+
+
+def test_a_report_that_cannot_be_written_is_refused_before_reading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    write_run(tmp_path / "sweep" / "0")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path / "sweep"), "--out", "/proc/nope/rep"])
+    assert exit_.value.code == 2
+    assert "Cannot write in the output folder /proc/nope" in capsys.readouterr().err

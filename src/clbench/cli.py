@@ -20,7 +20,14 @@ from omegaconf import DictConfig
 
 from clbench.config import GROUPS, RunConfig, closest, register_schemas, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
-from clbench.files import check_writable, lock_run_folder, write_atomic
+from clbench.files import (
+    PID_FILE,
+    began_writing,
+    check_writable,
+    lock_run_folder,
+    unlock_run_folder,
+    write_atomic,
+)
 
 
 def config_dir() -> Path:
@@ -37,10 +44,12 @@ class RunFolderGuard(Callback):
     """Before Hydra writes anything into the output folder (registered in conf/config.yaml under hydra.callbacks):
     refuse one that cannot be written, a run folder another clbench process holds (the lock stays with this process
     until it exits), and ``resume=true`` where there is no folder to resume; each with one clear paragraph, exit 2.
-    Where a run is resumed, the folder's .hydra files are kept, so that a resume refused later (another config) can
-    put them back: Hydra rewrites them before the run can compare its config with the checkpoint's."""
+    Where a run is resumed, what the start of a job rewrites is kept (the .hydra files, clbench.log, the PID file),
+    so that a resume refused later (another config, a corrupt checkpoint) leaves the folder byte for byte as it was:
+    Hydra rewrites them before the run can compare its config with the checkpoint's."""
 
-    before: ClassVar[dict[Path, bytes]] = {}
+    before: ClassVar[dict[Path, bytes | None]] = {}
+    folder: ClassVar[Path | None] = None
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
         if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks write nothing
@@ -53,12 +62,14 @@ class RunFolderGuard(Callback):
                     "Point hydra.run.dir at the run's folder, or drop resume=true to start a new run."
                 )
             check_writable(folder)
+            if config.get("resume") in (True, "auto"):
+                kept = [*(folder / ".hydra").glob("*.yaml"), folder / "clbench.log", folder / PID_FILE]
+                RunFolderGuard.before = {p: p.read_bytes() if p.is_file() else None for p in kept}
+                RunFolderGuard.folder = folder
             lock_run_folder(folder)
         except ClbenchError as err:
             report(str(err))
             sys.exit(2)
-        if config.get("resume") in (True, "auto"):
-            RunFolderGuard.before = {p: p.read_bytes() for p in (folder / ".hydra").glob("*.yaml")}
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         try:
@@ -69,9 +80,16 @@ class RunFolderGuard(Callback):
 
     @classmethod
     def put_back(cls) -> None:
-        """Restore the .hydra files a resumed run found (after the resume was refused)."""
+        """Give the folder of a refused resume back as it was: the run folder's lock released, and the files the job
+        rewrote restored (or removed, where the job created them). A run that began to write the folder keeps it."""
+        if cls.folder is None or began_writing(cls.folder):
+            return
+        unlock_run_folder(cls.folder, keep_pid=True)
         for path, data in cls.before.items():
-            write_atomic(path, data)
+            if data is None:
+                path.unlink(missing_ok=True)
+            else:
+                write_atomic(path, data)
 
 
 def requeued(cfg: RunConfig) -> RunConfig:

@@ -45,13 +45,14 @@ def flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def is_setting(key: str) -> bool:
+    """Whether a flattened key (``trainer.lr``) can change a run's numbers: not one of :data:`NOT_A_SETTING`."""
+    return not any(key == skip or key.startswith(f"{skip}.") for skip in NOT_A_SETTING)
+
+
 def setting(config: Mapping[str, Any]) -> dict[str, Any]:
     """The flattened config less the seed and the keys in :data:`NOT_A_SETTING`: what makes two runs comparable."""
-    return {
-        k: v
-        for k, v in sorted(flatten(config).items())
-        if not any(k == skip or k.startswith(f"{skip}.") for skip in NOT_A_SETTING)
-    }
+    return {k: v for k, v in sorted(flatten(config).items()) if is_setting(k)}
 
 
 def setting_hash(config: Mapping[str, Any], length: int = 8) -> str:

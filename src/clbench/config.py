@@ -21,7 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from clbench import metrics
-from clbench.errors import ConfigError
+from clbench.errors import ClbenchError, ConfigError
 
 
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -325,6 +325,8 @@ def validate(cfg: DictConfig) -> RunConfig:
     target = str(method_node._target_)
     try:
         method_cls = get_class(target)
+    except ClbenchError:  # a stop signal while importing (clbench.cli's handler): not the target's fault
+        raise
     except Exception as err:
         raise ConfigError(f"`method._target_`={target!r} cannot be imported: {err}") from None
     params = OmegaConf.masked_copy(method_node, [k for k in method_node if k != "_target_"])
@@ -382,10 +384,25 @@ def host_drawn_augmentation(trainer: TrainerConfig, data: DataConfig) -> str | N
 
 def check_objective(name: str, on_test: bool, data: DataConfig) -> None:
     """A sweep selects by validation: a test metric needs ``objective_on_test=true``; a validation metric needs a
-    validation split."""
+    validation split. A metric that can never have a value is refused: FWT on validation (no accuracy is measured
+    there before a task starts) and forgetting, BWT and FWT of a run with one task."""
     parsed = metrics.parse_objective(name)
     require(parsed is not None, "objective", name, f"[validation.]<til|cil>.<{'|'.join(metrics.NAMES)}>")
-    split = parsed[0] if parsed else "test"
+    split, _, metric = parsed if parsed else ("test", "", "")
+    require(
+        not (split == "validation" and metric == "fwt"),
+        "objective",
+        name,
+        "a metric measured on validation: FWT is not (it needs each task's accuracy before it is trained, measured "
+        "on test only); use final_acc, avg_incremental_acc, forgetting, forgetting_l2p or bwt",
+    )
+    tasks = data.num_tasks or data.tasks
+    require(
+        tasks > 1 or metric in ("final_acc", "avg_incremental_acc"),
+        "objective",
+        name,
+        f"final_acc or avg_incremental_acc with one task (data.num_tasks={tasks}): {metric} needs two tasks or more",
+    )
     require(
         split == "validation" or on_test,
         "objective",

@@ -20,6 +20,16 @@ from clbench.errors import ConfigError, DataError
 
 LOCK_FILE, PID_FILE = ".clbench.lock", ".clbench.pid"
 _HELD: dict[Path, FileLock] = {}  # the run folders this process holds
+_USED: set[Path] = set()  # the run folders a run of this process has begun to write (a refusal comes before)
+
+
+def begin_writing(folder: Path) -> None:
+    """Mark ``folder`` as used by this process's run: from here on a failure is the run's, not a refused start."""
+    _USED.add(folder.resolve())
+
+
+def began_writing(folder: Path) -> bool:
+    return folder.resolve() in _USED
 
 
 def _umask() -> int:
@@ -94,22 +104,26 @@ def lock_run_folder(folder: Path) -> bool:
     return True
 
 
-def unlock_run_folder(folder: Path) -> None:
+def unlock_run_folder(folder: Path, *, keep_pid: bool = False) -> None:
+    """Release a folder this process holds, removing its PID file (``keep_pid``: the caller restores the file)."""
     lock = _HELD.pop(folder.resolve(), None)
     if lock is not None:
-        (folder / PID_FILE).unlink(missing_ok=True)
+        if not keep_pid:
+            (folder / PID_FILE).unlink(missing_ok=True)
         lock.release()
 
 
-def check_writable(folder: Path) -> None:
+RUN_FOLDER_HINT = "Choose another with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m), or free space there."
+
+
+def check_writable(folder: Path, hint: str = RUN_FOLDER_HINT) -> None:
     """Refuse an output folder that cannot be written (a file in the way, no permission, a full disk) before any
-    work starts; creates it otherwise."""
+    work starts; creates it otherwise. ``hint``: how to choose another."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         write_atomic(folder / ".clbench_write_test", b"")
         (folder / ".clbench_write_test").unlink()
     except OSError as err:
         raise ConfigError(
-            f"Cannot write in the output folder {folder} ({type(err).__name__}: {err.strerror or err}). "
-            "Choose another with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m), or free space there."
+            f"Cannot write in the output folder {folder} ({type(err).__name__}: {err.strerror or err}). {hint}"
         ) from None

@@ -39,7 +39,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from clbench.comparable import differing_keys, setting, short_names
-from clbench.files import write_atomic
+from clbench.errors import ConfigError
+from clbench.files import check_writable, write_atomic
 
 Run = dict[str, Any]
 SCENARIOS = ("til", "cil")
@@ -152,14 +153,47 @@ def read_run(path: Path) -> Run | Skipped:
         failure = str(run.get("failure") or "").strip().splitlines()
         return skipped(path.parent, status + (f": {failure[0]}" if failure else ""))
     missing = [k for k in REQUIRED if k not in run]
-    return skipped(path.parent, f"incomplete results.json: no {', '.join(missing)}") if missing else run
+    if missing:
+        return skipped(path.parent, f"incomplete results.json: no {', '.join(missing)}")
+    wrong = malformed(run)
+    return skipped(path.parent, f"unreadable results.json: {wrong}") if wrong else run
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def malformed(run: Run) -> str | None:
+    """What in a finished run's numbers is not a number (or null), so that one damaged file cannot stop the report."""
+    for scenario in SCENARIOS:
+        values = run["metrics"].get(scenario, {}) if isinstance(run["metrics"], dict) else None
+        if not isinstance(values, dict):
+            return f"metrics.{scenario} is not an object"
+        for metric in METRICS:
+            value = values.get(metric)
+            if value is not None and not is_number(value):
+                return f"metrics.{scenario}.{metric} is {value!r}, not a number"
+        rows = run["acc_matrix"].get(scenario) if isinstance(run["acc_matrix"], dict) else None
+        ok = isinstance(rows, list) and all(
+            isinstance(row, list) and all(v is None or is_number(v) for v in row) for row in rows
+        )
+        if not ok:
+            return f"acc_matrix.{scenario} is not a matrix of numbers"
+    return None
 
 
 def load(paths: list[Path]) -> tuple[list[Run], list[Skipped]]:
-    """The finished runs under ``paths``, and the runs and jobs that are listed instead."""
-    runs, others = [], []
-    for result in map(read_run, find_results(paths)):
-        (others if isinstance(result, Skipped) else runs).append(result)
+    """The finished runs under ``paths`` (one per setting and seed), and the runs and jobs that are listed instead."""
+    runs, folders, others = [], [], []
+    for path in find_results(paths):
+        result = read_run(path)
+        if isinstance(result, Skipped):
+            others.append(result)
+        else:
+            runs.append(result)
+            folders.append(path.parent)
+    runs, duplicates = without_duplicates(runs, folders)
+    others += duplicates
     jobs = [job for job in find_jobs(paths) if not (job / "results.json").exists()]
     others += [skipped(job, f"no results.json; last log line: {last_log_line(job)}") for job in jobs]
     return runs, sorted(others, key=lambda o: str(o.folder))
@@ -180,6 +214,21 @@ def labels(configs: list[dict[str, Any]]) -> list[str]:
     names = short_names(keys)
     settings = [setting(c) for c in configs]
     return [", ".join(f"{names[k]}={compact(s[k]) if k in s else 'unset'}" for k in keys) for s in settings]
+
+
+def without_duplicates(runs: list[Run], folders: list[Path]) -> tuple[list[Run], list[Skipped]]:
+    """One run per (setting, seed): a second run of the same setting and seed (the same run found twice, under two
+    folders given) would count twice and shrink the std; it is listed as a duplicate instead."""
+    first: dict[tuple[str, Any], Path] = {}
+    kept, duplicates = [], []
+    for run, folder in zip(runs, folders, strict=True):
+        key = (json.dumps(setting(config_of(run)), sort_keys=True, default=str), run.get("seed"))
+        if key in first:
+            duplicates.append(skipped(folder, f"duplicate of {first[key]} (the same setting and seed {key[1]})"))
+            continue
+        first[key] = folder
+        kept.append(run)
+    return kept, duplicates
 
 
 def table_rows(runs: list[Run]) -> list[Row]:
@@ -225,7 +274,7 @@ def markdown(rows: list[Row], others: list[Skipped]) -> str:
         cells = [text.replace("|", r"\|") for text in label] + [cell(r.stat(c), "±") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
     if others:
-        lines += ["", "Not averaged (did not finish):", *[f"- {o}" for o in others]]
+        lines += ["", "Not averaged (did not finish, unreadable or duplicates):", *[f"- {o}" for o in others]]
     return "\n".join(lines) + "\n"
 
 
@@ -340,6 +389,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("paths", nargs="+", type=Path, help="run folders, multirun folders or results.json files")
     parser.add_argument("--out", type=Path, default=Path("report"), help="output prefix (default: report)")
     args = parser.parse_args(argv)
+    try:  # before reading anything: a report that cannot be written is refused at once
+        check_writable(args.out.parent, hint="Choose another prefix with --out PATH.")
+    except ConfigError as err:
+        print(f"clbench-report: {err}", file=sys.stderr)
+        sys.exit(2)
     runs, others = load(args.paths)
     if not runs and not others:
         print(f"clbench-report: no results.json or job folder under {', '.join(map(str, args.paths))}", file=sys.stderr)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from pathlib import Path
+from typing import Any
 
 import timm
 import torch
@@ -30,6 +31,8 @@ log = logging.getLogger(__name__)
 VIT_MODULES = ("vision_transformer", "deit")  # the timm modules whose models are VisionTransformers
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "weights"
 SHIPPED_WEIGHTS = {"glyphs": "vit_micro.glyphs.safetensors"}  # tag -> file in clbench/weights (`make weights`)
+# The SHA-256 of each shipped file as `make weights` writes it (bit for bit): a copy damaged in place is refused.
+SHIPPED_SHA256 = {"vit_micro.glyphs.safetensors": "643dbcc7e3056c6a22cc82e5c7a1e89b0b5edc6273ce2a70e7e9a3815eb7a7f3"}
 
 
 def local_weights(cfg: BackboneConfig) -> Path | None:
@@ -90,10 +93,13 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
         if not path.is_file():
             hint = "run `make weights` to regenerate the shipped file" if not cfg.weights else "check the path"
             raise WeightsError(f"The backbone weights file {str(path)!r} does not exist or is not a file: {hint}.")
+        if not cfg.weights:
+            check_shipped(path)
         overlay = dict(file=str(path), custom_load=path.suffix == ".npz")
         try:
             model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=overlay, **kwargs)
         except Exception as err:
+            architecture(name, cfg, kwargs)  # kwargs that build no model are the config's error, not the file's
             raise WeightsError(
                 f"Could not load backbone weights from {path} into {name} ({type(err).__name__}: {err}). "
                 "Check that the file is complete and holds weights for this architecture."
@@ -104,20 +110,14 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
         try:
             model = timm.create_model(name, pretrained=True, **kwargs)
         except Exception as err:
+            architecture(name, cfg, kwargs)
             raise WeightsError(
                 f"Could not load the pretrained weights of {name} ({type(err).__name__}: {err}). "
                 "Offline (or with HF_HUB_OFFLINE=1) timm can only use weights already in the Hugging Face cache: "
                 "download them once on a machine with network, or pass a local file with backbone.weights=PATH."
             ) from None
     else:
-        try:
-            model = timm.create_model(name, pretrained=False, **kwargs)
-        except (AssertionError, ValueError, TypeError, RuntimeError) as err:
-            raise ConfigError(
-                f"Invalid value for `backbone.kwargs`: {dict(cfg.kwargs)} do not build a {cfg.model} "
-                f"({type(err).__name__}: {err or 'a timm assertion failed'}). Allowed: an embed_dim divisible by "
-                "num_heads, and keyword arguments timm's VisionTransformer takes."
-            ) from None
+        model = architecture(name, cfg, kwargs)
     patch = model.patch_embed.patch_size[0]
     if cfg.img_size % patch:
         raise ConfigError(
@@ -127,6 +127,29 @@ def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
     if cfg.refiner:
         add_refiner(model, cfg.refiner_expand, cfg.refiner_kernel)
     return model
+
+
+def architecture(name: str, cfg: BackboneConfig, kwargs: dict[str, Any]) -> VisionTransformer:
+    """The model without pretrained weights; kwargs timm cannot build a model from are a :class:`ConfigError`."""
+    try:
+        return timm.create_model(name, pretrained=False, **kwargs)
+    except (AssertionError, ValueError, TypeError, RuntimeError) as err:
+        raise ConfigError(
+            f"Invalid value for `backbone.kwargs`: {dict(cfg.kwargs)} do not build a {cfg.model} "
+            f"({type(err).__name__}: {err or 'a timm assertion failed'}). Allowed: an embed_dim divisible by "
+            "num_heads, and keyword arguments timm's VisionTransformer takes."
+        ) from None
+
+
+def check_shipped(path: Path) -> None:
+    """A file clbench ships must be the one it shipped: a copy changed in place would train on other weights."""
+    expected = SHIPPED_SHA256.get(path.name)
+    found = sha256(path)
+    if expected is not None and found != expected:
+        raise WeightsError(
+            f"The shipped weights file {path} is damaged: its SHA-256 is {found}, the file clbench ships has "
+            f"{expected}. Reinstall clbench, or regenerate the file bit for bit with `make weights`."
+        )
 
 
 def check_keys(model: VisionTransformer, path: Path) -> None:

@@ -160,6 +160,12 @@ class Benchmark:
         train, validation, counts = [], [], []
         for task, split in zip(self.tasks, self.train, strict=True):
             held = torch.from_numpy(seeded_split(split.y.numpy(), fraction, seed))
+            if not held.any():
+                raise ConfigError(
+                    f"Invalid value for `data.val_fraction`: {fraction} holds out no image of task {task.id} (each of "
+                    f"its classes has at most one training image, which stays for training), so its validation "
+                    "metrics would be empty. Allowed here: 0 (no validation split)."
+                )
             train.append(Split(split.x[~held], split.y[~held]))
             validation.append(Split(split.x[held], split.y[held]))
             counts.append({"task": task.id, "train_images": len(train[-1]), "validation_images": len(validation[-1])})

@@ -2,10 +2,14 @@
 into uint8 ``.npy`` arrays that the training processes memory-map.
 
 A source's cache is the folder ``<data.cache_dir>/<source>-<key>``: ``{train,test}_{x,y}.npy`` and ``meta.json`` (its
-class names, seeded split, array shapes and the key's inputs). The key hashes the cache format, the data options that
-change what is stored (``store_size``, the seeded split, the synthetic source's shape), the decoders' versions and the
-source's file list: every folder and file under its folder (symbolic links followed) with the files' sizes and
-modification times. A changed source therefore gets a new folder, built anew. Building holds a file lock (filelock),
+class names, seeded split, array shapes, the arrays' checksums and the key's inputs). The key hashes the cache format,
+the data options that change what is stored (``store_size``, the seeded split, the synthetic source's shape), the
+decoders' versions and the source's file list: every folder and file under its folder (symbolic links followed) with
+the files' sizes, modification times and status-change times (``ctime``: set by every write, and not by ``os.utime``,
+so a file rewritten in place and given back its old mtime still changes the key). The files' contents are not hashed
+(a dataset of a million images would be read at every start). A changed source therefore gets a new folder, built
+anew. Opening a cache checks its arrays against the checksums of the build (:mod:`clbench.data.checksums`), its
+labels against its classes and its metadata for completeness. Building holds a file lock (filelock),
 so two jobs that start together build it once; each builder writes into a folder of its own, checked for free space
 first, and renames it into place when complete, so a killed build leaves nothing that looks finished.
 """
@@ -32,6 +36,7 @@ import torchvision
 from filelock import FileLock, Timeout
 
 from clbench.config import DataConfig
+from clbench.data import checksums
 from clbench.data.decoding import LazyImages
 from clbench.data.sources import SourceData, source_folder
 from clbench.data.stream import DiskImages
@@ -39,7 +44,7 @@ from clbench.distributed import Ranks
 from clbench.errors import DataError
 from clbench.files import undone_on_failure, write_atomic
 
-FORMAT = 1  # bump when what a cache holds changes
+FORMAT = 2  # bump when what a cache holds changes (2: checksums in meta.json, ctimes in the key)
 SYNTHETIC = tuple(k for k in DataConfig.__dataclass_fields__ if k.startswith("synthetic_"))  # what it generates
 READ = ("store_size", "test_fraction", "split_seed")  # a read source: its resolution and a folder's seeded split
 ARRAYS = ("train_x", "train_y", "test_x", "test_y")
@@ -50,9 +55,9 @@ def cache_root(cfg: DataConfig) -> Path:
 
 
 def file_list_digest(folder: Path | None) -> str:
-    """SHA-256 of every folder and file under ``folder`` (relative path; a file's size and mtime in ns), in sorted
-    order, following symbolic links as the readers do (``<root>/imagenet/train -> /shared/...``); '' without one.
-    Folders count because an empty class folder is a class (it shifts the labels after it)."""
+    """SHA-256 of every folder and file under ``folder`` (relative path; a file's size, mtime and ctime in ns), in
+    sorted order, following symbolic links as the readers do (``<root>/imagenet/train -> /shared/...``); '' without
+    one. Folders count because an empty class folder is a class (it shifts the labels after it)."""
     if folder is None or not folder.exists():
         return ""
     entries = []
@@ -61,7 +66,8 @@ def file_list_digest(folder: Path | None) -> str:
         entries += [f"{(base / d).relative_to(folder)}/" for d in dirs]
         for name in files:
             stat = (base / name).stat()
-            entries.append(f"{(base / name).relative_to(folder)}\t{stat.st_size}\t{stat.st_mtime_ns}")
+            times = f"{stat.st_mtime_ns}\t{stat.st_ctime_ns}"
+            entries.append(f"{(base / name).relative_to(folder)}\t{stat.st_size}\t{times}")
     return hashlib.sha256("\n".join(sorted(entries)).encode()).hexdigest()
 
 
@@ -101,7 +107,7 @@ def cached_source(
     root = cache_root(cfg)
     folder = root / f"{name}-{digest}"
     if (folder / "meta.json").is_file():
-        return open_cache(folder, cfg.stream_workers)
+        return open_cache(folder, cfg, ranks)
     try:
         root.mkdir(parents=True, exist_ok=True)
         lock = FileLock(root / f"{folder.name}.lock")
@@ -117,14 +123,20 @@ def cached_source(
         ) from None
     try:
         if not (folder / "meta.json").is_file():
-            build(folder, key, source or load(), rgb_size, say)
-        return open_cache(folder, cfg.stream_workers)
+            build(folder, key, source or load(), rgb_size, say, threads=cfg.decode_workers)
+        return open_cache(folder, cfg, ranks)
     finally:
         lock.release()
 
 
 def build(
-    folder: Path, key: dict[str, Any], source: SourceData, rgb_size: int | None, say: Callable[[str], None]
+    folder: Path,
+    key: dict[str, Any],
+    source: SourceData,
+    rgb_size: int | None,
+    say: Callable[[str], None],
+    *,
+    threads: int = 1,
 ) -> None:
     """Decode ``source`` into ``folder`` (called with the cache's lock held). The arrays are written into a folder of
     this builder's own, renamed into place when complete: where the lock does not hold (a file system without
@@ -144,17 +156,23 @@ def build(
     partial = folder.with_name(f"{folder.name}.partial-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     partial.mkdir()
     started = time.time()
-    say(f"clbench: decoding {key['source']} once into the image cache {folder} ({need / 2**30:.2f} GiB)")
+    say(
+        f"clbench: decoding {key['source']} once into the image cache {folder} ({need / 2**30:.2f} GiB; it is used "
+        "again while the source's file list, sizes and modification/status-change times stay the same)"
+    )
     no_space = (
         f"No space left to build the image cache {folder} ({{}}). Free space, point data.cache_dir elsewhere, or use "
         "data.store=device."
     ).format
     with undone_on_failure(lambda: shutil.rmtree(partial, ignore_errors=True), no_space):
-        for array, values in arrays.items():
-            write_array(partial / f"{array}.npy", values)
+        files = [partial / f"{array}.npy" for array in arrays]
+        for path, values in zip(files, arrays.values(), strict=True):
+            write_array(path, values)
         shapes = {array: list(values.shape) for array, values in arrays.items()}
         meta = {"key": key, "shapes": shapes, "class_names": source.class_names, "split": source.split}
+        meta["sha256"] = {"chunk_bytes": checksums.CHUNK, **checksums.digests(files, threads)}
         write_atomic(partial / "meta.json", json.dumps(meta, indent=1))
+        checksums.stamp(partial, files)  # a rename of the folder leaves its files' ctimes as they are
         try:
             partial.rename(folder)
         except OSError as err:
@@ -186,20 +204,44 @@ def write_array(path: Path, values: torch.Tensor | LazyImages) -> None:
     del out
 
 
-def open_cache(folder: Path, workers: int) -> SourceData:
-    """A built cache as :class:`SourceData` whose images stay on disk; arrays whose shapes differ from what the build
-    recorded (a truncated or replaced file) are refused."""
+META = ("key", "shapes", "class_names", "split", "sha256")
+
+
+def open_cache(folder: Path, cfg: DataConfig, ranks: Ranks = Ranks()) -> SourceData:  # noqa: B008
+    """A built cache as :class:`SourceData` whose images stay on disk. Refused as damaged: metadata that is not
+    complete, arrays whose shapes or types differ from what the build recorded (a truncated or replaced file), labels
+    outside the cache's classes and, with ``data.verify_checksums``, array files whose checksums differ from the
+    build's (checked by rank 0 for every rank)."""
     try:
         meta = json.loads((folder / "meta.json").read_text())
+        missing = [k for k in META if k not in meta]
+        if missing:
+            raise ValueError(f"meta.json has no {', '.join(missing)}")
         arrays = {a: np.load(folder / f"{a}.npy", mmap_mode="r") for a in ARRAYS}
         wrong = [a for a in ARRAYS if list(arrays[a].shape) != meta["shapes"][a]]
+        wrong += [a for a in ARRAYS if arrays[a].dtype != (np.uint8 if a.endswith("_x") else np.int64)]
         if wrong:
-            raise ValueError(f"{', '.join(wrong)} not of the recorded shape")
-    except (OSError, ValueError, KeyError) as err:
+            raise ValueError(f"{', '.join(sorted(set(wrong)))} not of the recorded shape and type")
+        labels = {a: torch.from_numpy(np.array(arrays[a])) for a in ("train_y", "test_y")}
+        classes = len(meta["class_names"])
+        outside = [a for a, y in labels.items() if len(y) and not (int(y.min()) >= 0 and int(y.max()) < classes)]
+        if outside:
+            raise ValueError(f"{', '.join(outside)} hold labels outside the {classes} classes")
+    except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(
             f"The image cache {folder} is damaged ({type(err).__name__}: {err}). Delete that folder: the next run "
             "builds it again."
         ) from None
-    images = [DiskImages.whole(folder / f"{a}.npy", arrays[a].shape, workers) for a in ("train_x", "test_x")]
-    labels = [torch.from_numpy(np.array(arrays[a])) for a in ("train_y", "test_y")]
-    return SourceData(images[0], labels[0], images[1], labels[1], meta["class_names"], meta["split"])
+    if cfg.verify_checksums:
+        files = [folder / f"{a}.npy" for a in ARRAYS]
+        failure = None
+        if ranks.is_main:
+            try:
+                checksums.verify(folder, files, meta["sha256"], cfg.decode_workers)
+            except DataError as err:
+                failure = str(err)
+        failure = ranks.broadcast(failure)
+        if failure is not None:
+            raise DataError(failure)
+    images = [DiskImages.whole(folder / f"{a}.npy", arrays[a].shape, cfg.stream_workers) for a in ("train_x", "test_x")]
+    return SourceData(images[0], labels["train_y"], images[1], labels["test_y"], meta["class_names"], meta["split"])

@@ -8,9 +8,11 @@ device-side augmentation is the same, so both stores give the same numbers.
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import multiprocessing.context
 import signal
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, replace
 from functools import cache
@@ -19,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from clbench.errors import DataError
 
 Rows = Callable[[int], np.ndarray | None]  # batch size -> the positions in the batch this process reads (None: all)
 
@@ -38,7 +42,38 @@ def worker_context() -> multiprocessing.context.BaseContext:
 @cache
 def _array(path: str) -> np.ndarray:
     """A cache array, memory-mapped once per process (each reader worker maps its own)."""
-    return np.load(path, mmap_mode="r")
+    try:
+        return np.load(path, mmap_mode="r")
+    except (OSError, ValueError) as err:
+        raise DataError(
+            f"The image cache file {path} cannot be read ({getattr(err, 'strerror', None) or err}): it was deleted, "
+            f"moved or damaged while the run was using it. Delete what is left of {Path(path).parent} and run the same "
+            "command with resume=true: the cache is built again and the run goes on from its last checkpoint."
+        ) from None
+
+
+@dataclass(frozen=True)
+class ReadFailure:
+    """What a reader worker returns instead of a batch it could not read: the :class:`DataError`'s message, raised
+    again in the training process (a worker's exception would arrive wrapped in its traceback)."""
+
+    message: str
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # the batch loaders whose workers may be running
+
+
+def shut_down(iterator: object) -> None:
+    """Stop a loader iterator's workers now (they ignore the first SIGTERM, so terminating them at exit would wait)."""
+    stop = getattr(iterator, "_shutdown_workers", None)
+    if stop is not None:
+        stop()
+    _LIVE.discard(iterator)
+
+
+# At exit, before multiprocessing's own exit handler (registered earlier, so run later) joins the workers: a run that
+# ends on an exception raised outside a loader (a stop signal, an error in the step) does not wait for them forever.
+atexit.register(lambda: [shut_down(iterator) for iterator in list(_LIVE)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -115,16 +150,29 @@ class DiskImages:
             worker_init_fn=ignore_stop_signals,
             multiprocessing_context=worker_context() if workers else None,
         )
-        for b, part in enumerate(ahead_on(self.device, loader), start):
-            n = min(batch_size, len(order) - b * batch_size)
-            positions = rows(n) if rows is not None else None
-            if positions is None:
-                yield part
-                continue
-            full = torch.zeros((n, *self.image_shape), dtype=torch.uint8, device=self.device)
-            for (lo, hi), at in runs(positions):  # slices: no index tensor copied to the device, no sync
-                full[lo:hi] = part[at : at + hi - lo]
-            yield full
+        iterator = iter(loader)
+        _LIVE.add(iterator)
+        try:
+            for b, part in enumerate(ahead_on(self.device, raising_failures(iterator)), start):
+                n = min(batch_size, len(order) - b * batch_size)
+                positions = rows(n) if rows is not None else None
+                if positions is None:
+                    yield part
+                    continue
+                full = torch.zeros((n, *self.image_shape), dtype=torch.uint8, device=self.device)
+                for (lo, hi), at in runs(positions):  # slices: no index tensor copied to the device, no sync
+                    full[lo:hi] = part[at : at + hi - lo]
+                yield full
+        finally:
+            shut_down(iterator)
+
+
+def raising_failures(batches: Iterable[torch.Tensor | ReadFailure]) -> Iterator[torch.Tensor]:
+    """The batches, with a worker's :class:`ReadFailure` raised here as the :class:`DataError` it was."""
+    for batch in batches:
+        if isinstance(batch, ReadFailure):
+            raise DataError(batch.message)
+        yield batch
 
 
 def runs(positions: np.ndarray) -> Iterator[tuple[tuple[int, int], int]]:
@@ -151,11 +199,14 @@ class BatchReader(Dataset):
     def __len__(self) -> int:
         return max(0, -(-len(self.order) // self.batch_size) - self.start)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> torch.Tensor | ReadFailure:
         lo = (self.start + i) * self.batch_size
         batch = self.order[lo : lo + self.batch_size]
         positions = self.rows(len(batch)) if self.rows is not None else None
-        return self.images.read(batch if positions is None else batch[positions])
+        try:
+            return self.images.read(batch if positions is None else batch[positions])
+        except DataError as err:
+            return ReadFailure(str(err))
 
 
 def ahead_on(device: torch.device, batches: Iterable[torch.Tensor]) -> Iterator[torch.Tensor]:

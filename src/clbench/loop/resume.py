@@ -8,7 +8,7 @@ from typing import Any
 
 from clbench import checkpoint
 from clbench.checkpoint import Position
-from clbench.comparable import flatten
+from clbench.comparable import flatten, is_setting
 from clbench.config import RunConfig, as_dict
 from clbench.data import Task
 from clbench.errors import ConfigError
@@ -33,18 +33,25 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
     }
 
 
-def check_identity(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> None:
-    """Refuse to resume ``run_dir`` with a checkpoint written for another run (naming every key that differs)."""
+def check_identity(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> list[str]:
+    """Refuse to resume ``run_dir`` with a checkpoint written for another run (naming every key that differs). Keys
+    that cannot change the results (where the data lives and how it is read: :data:`clbench.comparable.NOT_A_SETTING`
+    but the seed; ``data.val_seed`` without a validation split) may differ: returns them, ``key: before -> now``."""
     saved, now = flatten(state["identity"]), flatten(identity(cfg))
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
-    if changed:
+    no_validation = not saved.get("data.val_fraction") and not now.get("data.val_fraction")
+    # The seed sets two runs of one setting apart, so it is not a setting; a resumed run must keep it all the same.
+    harmless = [k for k in changed if k != "seed" and (not is_setting(k) or (k == "data.val_seed" and no_validation))]
+    refused = [k for k in changed if k not in harmless]
+    if refused:
         differ = "; ".join(
-            f"{k}: checkpoint {saved.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}" for k in changed
+            f"{k}: checkpoint {saved.get(k, '<unset>')!r}, now {now.get(k, '<unset>')!r}" for k in refused
         )
         raise ConfigError(
             f"Cannot resume {run_dir}: its checkpoint is for another run ({differ}). Resume with the run's own "
             "settings, or start a new run in another folder. The folder is left as it was."
         )
+    return [f"{k}: {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}" for k in harmless]
 
 
 def finish_untrained(method: Method, task: Task, epochs: int = 0) -> None:

@@ -30,7 +30,13 @@ from clbench.checkpoint import Cursor, Position
 from clbench.config import RunConfig, as_dict, full_config
 from clbench.data import Task
 from clbench.errors import Preempted
-from clbench.files import check_writable, lock_run_folder, remove_stale_temporaries, unlock_run_folder
+from clbench.files import (
+    begin_writing,
+    check_writable,
+    lock_run_folder,
+    remove_stale_temporaries,
+    unlock_run_folder,
+)
 from clbench.loop.resume import Saved, check_identity, finish_untrained, identity, restore
 from clbench.loop.runtime import Runtime, build_runtime, describe
 from clbench.loop.signals import stop_signals
@@ -50,14 +56,16 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
     # The checkpoint is loaded once, here: a missing, corrupt or foreign one is reported before the folder is touched
     # or anything is built.
     saved = checkpoint.load(run_dir) if resuming else None
-    if saved is not None:
-        check_identity(cfg, run_dir, saved[1])
+    harmless = check_identity(cfg, run_dir, saved[1]) if saved is not None else []
     if main:
         check_writable(run_dir)
     acquired = main and lock_run_folder(run_dir)
     try:
         if main:
+            begin_writing(run_dir)
             remove_stale_temporaries(run_dir)
+            if harmless:
+                say(f"clbench: resuming {run_dir} with {'; '.join(harmless)} (settings that do not change the results)")
         return train_in_folder(cfg, run_dir, name, main, saved)
     finally:
         if acquired:

@@ -14,6 +14,7 @@ import math
 import signal
 import time
 from collections.abc import Callable
+from contextlib import closing
 from dataclasses import dataclass
 
 import torch
@@ -150,25 +151,26 @@ class PhaseRun:
         epoch_loss = torch.zeros((), device=rt.device)
         images = 0
         batches = self.split.batches(cfg.batch_size, order=order, start=first_batch, rows=self.rows)
-        for batch, (x_raw, y) in enumerate(batches, first_batch):
-            self.method.before_step(task, batch, self.per_epoch)
-            loss, logs = self.stepper(x_raw, y)
-            self.schedule.step()
-            self.running += loss
-            epoch_loss += loss
-            step += 1
-            images += len(y)
-            signum = hooks.signal()
-            if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
-                signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
-            if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
-                self.log_steps(logs, epoch, step, bar)
-            if hooks.progress and bar is not None:
-                hooks.progress.advance(bar)
-            if signum is not None and hooks.save is not None:
-                hooks.save(self.cursor(epoch, batch + 1, order), step)
-                name = signal.Signals(signum).name
-                raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
+        with closing(batches):  # a stop or an error mid-epoch shuts a streamed epoch's reader workers down at once
+            for batch, (x_raw, y) in enumerate(batches, first_batch):
+                self.method.before_step(task, batch, self.per_epoch)
+                loss, logs = self.stepper(x_raw, y)
+                self.schedule.step()
+                self.running += loss
+                epoch_loss += loss
+                step += 1
+                images += len(y)
+                signum = hooks.signal()
+                if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
+                    signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
+                if step % cfg.log_every == 0:  # the only host sync of the step, every log_every steps
+                    self.log_steps(logs, epoch, step, bar)
+                if hooks.progress and bar is not None:
+                    hooks.progress.advance(bar)
+                if signum is not None and hooks.save is not None:
+                    hooks.save(self.cursor(epoch, batch + 1, order), step)
+                    name = signal.Signals(signum).name
+                    raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
         done = self.per_epoch - first_batch  # 0 where a checkpoint was written after the epoch's last batch
         if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
             position = f"{where(task, self.phase, epoch)} (its end), step {step}"
