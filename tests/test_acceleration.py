@@ -185,5 +185,4 @@ def test_the_run_says_which_backbone_and_weights_and_how_the_step_runs(
         "compiled_graphs": 0,
         "compile_s": 0.0,
         "compile_failure": None,
-        "graph_failure": None,
     }

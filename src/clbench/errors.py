@@ -17,6 +17,10 @@ class WeightsError(ClbenchError):
     """Pretrained weights that are missing, unreachable or do not fit the model."""
 
 
+class GraphCaptureError(ClbenchError):
+    """The training step could not be captured as a CUDA graph; the message names the setting that avoids it."""
+
+
 class Diverged(ClbenchError, FloatingPointError):  # noqa: N818 (reads as what happened to the run)
     """The training loss became NaN or Inf; the message names task, phase, epoch and step."""
 

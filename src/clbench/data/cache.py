@@ -124,9 +124,9 @@ def cached_source(
     try:
         if not (folder / "meta.json").is_file():
             build(folder, key, source or load(), rgb_size, say, threads=cfg.decode_workers)
-        return open_cache(folder, cfg, ranks)
     finally:
         lock.release()
+    return open_cache(folder, cfg, ranks)  # after the lock: its checks are collective over the ranks
 
 
 def build(

@@ -18,10 +18,13 @@ from clbench.config import TrainerConfig
 from clbench.methods import Method
 
 
-def build_optimizer(method: Method, groups: list[dict[str, Any]], cfg: TrainerConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    method: Method, groups: list[dict[str, Any]], cfg: TrainerConfig, *, capturable: bool = False
+) -> torch.optim.Optimizer:
     """One optimizer over the method's groups. A group without ``weight_decay`` gets ``trainer.weight_decay``
     except on biases, norms and position/class tokens; the batch-size scaling rule applies to every lr. On CUDA the
-    optimizer is fused and capturable (its state and step count live on the device)."""
+    optimizer is fused (its state and step count live on the device), and ``capturable`` where its step is captured
+    in a CUDA graph (torch warns that it slows an uncaptured step)."""
     scale = cfg.batch_size / cfg.lr_scale_batch if cfg.lr_scale_batch else 1.0
     exempt = method.no_weight_decay_ids()
     final: list[dict[str, Any]] = []
@@ -44,7 +47,16 @@ def build_optimizer(method: Method, groups: list[dict[str, Any]], cfg: TrainerCo
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(final, lr=cfg.lr, momentum=cfg.momentum, **({"fused": True} if cuda else {}))
     opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return opt_cls(final, lr=cfg.lr, **({"fused": True, "capturable": True} if cuda else {}))
+    return opt_cls(final, lr=cfg.lr, **({"fused": True, "capturable": capturable} if cuda else {}))
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """A checkpoint's optimizer state, keeping how this optimizer was built (fused, capturable, foreach): a run may
+    resume on another device, or with CUDA graphs turned on or off."""
+    built = [{k: g[k] for k in ("fused", "capturable", "foreach") if k in g} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    for group, flags in zip(optimizer.param_groups, built, strict=True):
+        group.update(flags)
 
 
 def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:

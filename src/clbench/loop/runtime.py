@@ -96,13 +96,12 @@ def graph_blocker(cfg: RunConfig, device: torch.device, ranks: Ranks) -> str | N
 
 @dataclass
 class AccelerationLog:
-    """What compiling and capturing did in a run: graphs compiled and the seconds of the steps that compiled them,
-    and the failures that made it fall back (results.json's ``acceleration``, the summary)."""
+    """What compiling did in a run: graphs compiled, the seconds of the steps that compiled them, and the failure that
+    made it fall back to eager (results.json's ``acceleration``, the summary)."""
 
     compiled_graphs: int = 0
     compile_s: float = 0.0
     compile_failure: str | None = None
-    graph_failure: str | None = None
 
 
 @dataclass

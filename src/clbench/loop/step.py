@@ -17,7 +17,9 @@ gradient surgery (``after_backward``) -> clipping -> the optimizer step -> the m
   draws new numbers from the device generator). What changes from step to step outside the graph lives in device
   tensors written before each replay: the learning rates (:func:`clbench.loop.optim.rates_on_device`) and HAT's
   annealed s (``before_step``). A batch of another size runs eagerly on the same parameters, optimizer state and
-  learning-rate tensors. A capture that fails warns once and the run goes on eagerly.
+  learning-rate tensors (its gradients are dropped after it: the graph writes its own). A capture that fails is an
+  error that names ``trainer.cuda_graphs=false``: a failed capture leaves CUDA's allocator and streams in states a
+  run must not go on in.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from timm.data import Mixup
@@ -33,6 +36,7 @@ from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import counters
 
 from clbench.data import Task
+from clbench.errors import GraphCaptureError
 from clbench.loop.runtime import Runtime
 from clbench.methods import Method
 from clbench.methods.base import Logs
@@ -117,8 +121,12 @@ class StepGraph:
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], StepOut], x_raw: torch.Tensor, y: torch.Tensor):
         self.x, self.y = x_raw.clone(), y.clone()
         self.graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(self.graph):
+        # thread_local: CUDA calls of other threads (the stream loader's pin-memory thread) do not break the capture;
+        # fail_on_recompile: a compile inside the capture (benchmarking kernels, syncing) is a clean Python error.
+        stance = (
+            torch.compiler.set_stance("fail_on_recompile") if hasattr(torch.compiler, "set_stance") else nullcontext()
+        )
+        with stance, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
             self.out = step(self.x, self.y)
 
     def replay(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
@@ -161,11 +169,16 @@ class Stepper:
         if self.warm < WARMUP_STEPS:
             self.warm += 1
             return self.on_side_stream(x_raw, y)
-        try:
-            self.graph = StepGraph(self.eager, x_raw, y)
-        except (RuntimeError, TorchDynamoException) as err:  # nothing ran: the step is taken eagerly below
-            self.stop_graphs(err)
-            return self.eager(x_raw, y)
+        try:  # captured without the eager fallback's retry: a retried step would be recorded twice
+            self.graph = StepGraph(self.take, x_raw, y)
+        except torch.OutOfMemoryError:
+            raise
+        except RuntimeError as err:  # a failed capture leaves the allocator and the streams unsafe to go on with
+            raise GraphCaptureError(
+                f"The training step of task {self.task.id} could not be captured as a CUDA graph ({first_line(err)}). "
+                "Run the same command with trainer.cuda_graphs=false (and resume=true to go on from the last "
+                "checkpoint)."
+            ) from err
         return self.graph.replay(x_raw, y)
 
     def eager(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
@@ -217,13 +230,10 @@ class Stepper:
             "(trainer.compile=false skips the attempt).[/yellow]"
         )
 
-    def stop_graphs(self, err: Exception) -> None:
-        self.rt.accel = dataclasses.replace(self.rt.accel, graphs=False, why_not_graphs=f"capture failed: {err}")
-        self.rt.log.graph_failure = first_line(err)
-        say(
-            f"[yellow]warning: the training step could not be captured as a CUDA graph ({first_line(err)}); this run "
-            "steps without graphs from here on (trainer.cuda_graphs=false skips the attempt).[/yellow]"
-        )
+    def close(self) -> None:
+        """Drop the captured graph (its memory pool) and the compiled loss, so that nothing of the phase outlives it."""
+        self.graph = None
+        self.loss.compiled = self.loss.failed = None
 
 
 def first_line(err: Exception) -> str:

@@ -24,7 +24,7 @@ from rich.progress import Progress
 from clbench.checkpoint import Cursor
 from clbench.data import Split, Task
 from clbench.errors import Diverged, Preempted
-from clbench.loop.optim import build_optimizer, current_lr, lr_factor, rates_on_device
+from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
 from clbench.loop.runtime import Runtime
 from clbench.loop.step import Stepper
 from clbench.methods import Method
@@ -99,14 +99,14 @@ class PhaseRun:
         self.method, self.task, self.phase, self.index = method, task, phase, index
         self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
         self.per_epoch = split.num_batches(cfg.batch_size)
-        self.optimizer = build_optimizer(method, method.param_groups(task, phase), cfg)
+        self.optimizer = build_optimizer(method, method.param_groups(task, phase), cfg, capturable=rt.accel.graphs)
         total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)
         self.plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, total, warmup, cfg) * (self.plateau.scale if self.plateau else 1.0)
+            self.optimizer, lambda s: lr_factor(s, total, warmup, cfg) * self.scale()
         )
         if resume is not None and resume.optimizer is not None and resume.schedule is not None:
-            self.optimizer.load_state_dict(resume.optimizer)
+            load_optimizer_state(self.optimizer, resume.optimizer)
             self.schedule.load_state_dict(resume.schedule)
         if resume is not None and self.plateau is not None and resume.plateau is not None:
             self.plateau = dataclasses.replace(self.plateau, **resume.plateau)
@@ -115,6 +115,10 @@ class PhaseRun:
         self.rows = rt.ranks.rows(mirrored=mixing is not None)  # what this rank reads of each streamed batch
         self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
+
+    def scale(self) -> float:
+        """The plateau schedule's factor on the learning rate (1 without it)."""
+        return self.plateau.scale if self.plateau is not None else 1.0
 
     def epochs(self, step: int) -> tuple[int, int]:
         """Every epoch of the phase from where it stands; returns (global step, images seen)."""
@@ -130,17 +134,29 @@ class PhaseRun:
             else None
         )
         images = 0
-        for epoch in range(first, self.phase.epochs):
-            here = self.resume is not None and epoch == self.resume.epoch
-            step, seen = self.epoch(epoch, step, self.resume if here else None, bar)
-            images += seen
-            if not self.after_epoch(epoch, step):
-                break
-        if self.plateau is not None:
-            self.plateau.restore_best(self.method)
+        try:
+            for epoch in range(first, self.phase.epochs):
+                here = self.resume is not None and epoch == self.resume.epoch
+                step, seen = self.epoch(epoch, step, self.resume if here else None, bar)
+                images += seen
+                if not self.after_epoch(epoch, step):
+                    break
+            if self.plateau is not None:
+                self.plateau.restore_best(self.method)
+        finally:
+            self.close()
         if progress and bar is not None:
             progress.remove_task(bar)
         return step, images
+
+    def close(self) -> None:
+        """Let go of what the phase held on the device before evaluation and the next phase: its captured graph (and the
+        memory pool behind it), the optimizer's state and the gradients."""
+        self.stepper.close()
+        self.optimizer.state.clear()
+        self.method.zero_grad(set_to_none=True)
+        if self.rt.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def epoch(self, epoch: int, step: int, resume: Cursor | None, bar: int | None) -> tuple[int, int]:
         """The epoch's batches (from a checkpoint's batch and order when ``resume`` is set); returns (global step,

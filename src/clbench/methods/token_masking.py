@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from clbench.backbones.refiner import MAX_SCALE, RefinerAttention
+from clbench.methods.attention import head_merge, head_split
 
 WIDTH_ALIGN = 8  # flash attention takes equal q/k/v widths that are multiples of 8
 KEPT_SHARE = 20.0  # after its bias, a masked key's logit exceeds key 0's by at most this: share >= e^-20 / N
@@ -79,13 +80,5 @@ class KeyMaskedAttention(nn.Module):
         keep = torch.cat([self.keep.new_ones(*self.keep.shape[:-1], self.num_prefix_tokens), self.keep], dim=-1)
         if isinstance(self.attn, RefinerAttention):  # it masks its own explicit attention maps
             return self.attn(x, keep=keep)
-        a = self.attn
-        b, n, _ = x.shape
-        gate = a.gate(x).sigmoid() if getattr(a, "gate", None) is not None else None
-        q, k, v = a.qkv(x).reshape(b, n, 3, a.num_heads, a.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
-        q, k = a.q_norm(q), a.k_norm(k)
-        out = key_masked_attention(q, k, v, keep).transpose(1, 2).reshape(b, n, a.attn_dim)
-        out = a.norm(out)
-        if gate is not None:
-            out = out * gate
-        return a.proj_drop(a.proj(out))
+        q, k, v, gate = head_split(self.attn, x)
+        return head_merge(self.attn, key_masked_attention(q, k, v, keep), gate)
