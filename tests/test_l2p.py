@@ -13,7 +13,8 @@ from clbench.errors import ConfigError
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
-from clbench.methods.l2p import L2P, pull_loss
+from clbench.methods.l2p import L2P
+from clbench.methods.prompting import pull_loss
 from conftest import tiny_config
 
 L2P_TINY = ("method=l2p", "trainer.batch_size=16", "trainer.lr=1e-3")
@@ -120,7 +121,7 @@ def test_results_record_the_histograms_and_the_batchwise_flag(tmp_path: Path) ->
 def test_selection_counts_equal_bincount_without_sizing_from_the_data() -> None:
     """The histogram is bincount with a fixed length (torch.bincount sizes its output from the data: a host sync on
     CUDA in every training step)."""
-    from clbench.methods.l2p import count_selections
+    from clbench.methods.prompting import count_selections
 
     chosen = torch.tensor([[0, 3, 3], [9, 0, 1]])
     assert torch.equal(count_selections(chosen, 10), torch.bincount(chosen.flatten(), minlength=10))

@@ -21,11 +21,12 @@ from torch import nn
 from clbench.loop.runtime import Runtime, build_runtime
 from clbench.methods.base import Method
 from clbench.methods.hat import HAT, annealed_s, capacity, compensation
-from clbench.methods.l2p import L2P, pull_loss
+from clbench.methods.l2p import L2P
 from clbench.methods.masking import threshold_mask, topk_mask
 from clbench.methods.meat import drop_control_loss, hard_gumbel_keep
 from clbench.methods.packnet import PackNet
 from clbench.methods.piggyback import Piggyback
+from clbench.methods.prompting import pull_loss
 from clbench.methods.supsup import SupSup
 from clbench.methods.token_masking import key_masked_attention
 from conftest import tiny_config

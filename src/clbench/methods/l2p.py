@@ -23,21 +23,17 @@ Options where the paper and its two official codes differ:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from clbench import distributed
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.base import Logs
+from clbench.methods.prompting import PromptMethod, cosine, prompt_init, pull_loss, top_k_by_key
 
 
 @dataclass
@@ -64,25 +60,11 @@ class L2PConfig:
         require_choice("method.prompt_init", self.prompt_init, ("uniform", "small"))
 
 
-def count_selections(chosen: torch.Tensor, pool_size: int) -> torch.Tensor:
-    """How often each prompt of the pool is among ``chosen`` (bincount with a fixed length: ``torch.bincount`` sizes
-    its output from the data, a host sync on CUDA in every training step)."""
-    flat = chosen.flatten()
-    return torch.zeros(pool_size, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
-
-
-def pull_loss(query: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """sum over each sample's chosen keys of the cosine distance 1 - cos(q, k), divided by the batch size."""
-    sim = F.normalize(query.float(), dim=-1) @ F.normalize(keys.float(), dim=-1).T  # (B, M)
-    return (1 - sim.gather(1, chosen)).sum() / query.shape[0]
-
-
-class L2P(Method):
+class L2P(PromptMethod):
     Config = L2PConfig
-    changes_backbone = False
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: L2PConfig) -> None:
-        super().__init__(backbone, benchmark, config)
+        super().__init__(backbone, benchmark, config, config.pool_size)
         if backbone.cls_token is None or backbone.num_prefix_tokens != 1 or getattr(backbone, "no_embed_class", False):
             raise ConfigError("L2P needs a ViT with one class token and a position embedding for it (timm's default).")
         if config.diversify == "task_slots" and config.pool_size < len(benchmark.tasks) * config.top_n:
@@ -90,23 +72,14 @@ class L2P(Method):
                 f"Invalid value for `method.pool_size`: {config.pool_size}. Allowed with diversify=task_slots: "
                 f">= tasks x top_n = {len(benchmark.tasks) * config.top_n}."
             )
-        self.backbone.requires_grad_(False)
         m, length, dim = config.pool_size, config.prompt_length, backbone.embed_dim
-        device = backbone.cls_token.device
-        low, high = (-1.0, 1.0) if config.prompt_init == "uniform" else (0.0, 0.01)
-        self.prompts = nn.Parameter(torch.empty(m, length, dim, device=device).uniform_(low, high))
-        self.keys = nn.Parameter(torch.empty(m, dim, device=device).uniform_(low, high))
-        self.register_buffer("train_counts", torch.zeros(len(benchmark.tasks), m, dtype=torch.long, device=device))
-        self.register_buffer("test_counts", torch.zeros(len(benchmark.tasks), m, dtype=torch.long, device=device))
-        self._eval_task: int | None = None
+        self.prompts = nn.Parameter(prompt_init(config.prompt_init, m, length, dim, device=backbone.cls_token.device))
+        self.keys = nn.Parameter(prompt_init(config.prompt_init, m, dim, device=backbone.cls_token.device))
 
-    # ----------------------------------------------------------------------------- query and selection
-    def query(self, x: torch.Tensor) -> torch.Tensor:
-        """q(x): the frozen, unprompted ViT's pooled feature, under inference mode (no graph, same weights)."""
-        with torch.inference_mode():
-            q = self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
-        return q.clone()  # a normal tensor again, usable in the pull loss
+    def prompt_parameters(self) -> dict[str, nn.Parameter]:
+        return {"prompts": self.prompts, "keys": self.keys}
 
+    # ----------------------------------------------------------------------------- selection
     def select(self, q: torch.Tensor, task: Task | None) -> torch.Tensor:
         """Indices (B, N) of the prompts each sample uses; ``task`` is set while training it."""
         cfg = self.config
@@ -114,16 +87,11 @@ class L2P(Method):
         if task is not None and cfg.diversify == "task_slots":
             slot = torch.arange(task.id * n, (task.id + 1) * n, device=q.device)
             return slot.expand(len(q), n)
-        sim = F.normalize(q.float(), dim=-1) @ F.normalize(self.keys.float(), dim=-1).T
+        sim = cosine(q, self.keys)
         if task is not None and cfg.diversify == "frequency" and task.id > 0:
             counts = self.train_counts[: task.id].sum(0).float()
-            chosen = ((1 - sim) * counts / counts.sum()).topk(n, dim=1, largest=False).indices
-        else:
-            chosen = sim.topk(n, dim=1).indices
-        if cfg.batchwise_prompt:
-            votes = count_selections(chosen, cfg.pool_size)
-            chosen = votes.topk(n).indices.expand(len(q), n)
-        return chosen
+            sim = -((1 - sim) * counts / counts.sum())  # the smallest frequency-weighted distances first
+        return top_k_by_key(sim, n, cfg.batchwise_prompt)
 
     # ----------------------------------------------------------------------------- prompted forward
     def prompted_features(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
@@ -146,22 +114,12 @@ class L2P(Method):
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         """The selection uses the query only; the task id is never used to pick prompts at test time."""
         chosen = self.select(self.query(x), None)
-        if self._eval_task is not None:
-            self.test_counts[self._eval_task] += count_selections(chosen, self.config.pool_size)
+        self.record(chosen, None)
         return self.prompted_features(x, chosen)
 
     def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
         """TIL: the task's own classes' logits of the one head."""
         return self.heads[task_id](self.features(x, task_id))
-
-    @contextmanager
-    def evaluating(self, task_id: int) -> Iterator[None]:
-        """Bins the test-time prompt selections by the evaluated task (diagnostics only: never used to predict)."""
-        self._eval_task = task_id
-        try:
-            yield
-        finally:
-            self._eval_task = None
 
     # ----------------------------------------------------------------------------- training
     @torch.no_grad()
@@ -172,54 +130,10 @@ class L2P(Method):
             self.prompts[task.id * n : (task.id + 1) * n] = self.prompts[(task.id - 1) * n : task.id * n]
             self.keys[task.id * n : (task.id + 1) * n] = self.keys[(task.id - 1) * n : task.id * n]
 
-    def after_task(self, task: Task) -> None:
-        super().after_task(task)
-        # Each rank of a multi-process run counted its share of the batches (a run resumed mid-task under torchrun
-        # counts the interrupted part of the task once per rank: a histogram-only difference).
-        distributed.current().sum_(self.train_counts[task.id])
-        self.test_counts.zero_()  # the histogram of the evaluation that follows
-
-    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        for t, head in enumerate(self.heads):
-            head.requires_grad_(t == task.id)  # other classes' logits are masked: their rows get no gradient
-        return [{"params": [self.prompts, self.keys, *self.heads[task.id].parameters()], "weight_decay": 0.0}]
-
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         q = self.query(x)
         chosen = self.select(q, task)
-        self.train_counts[task.id] += count_selections(chosen, self.config.pool_size)
-        logits = self.seen_logits(self.prompted_features(x, chosen))
-        outside = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
-        outside[task.offset : task.offset + task.num_classes] = False
-        ce = F.cross_entropy(logits.masked_fill(outside, float("-inf")), y)
+        self.record(chosen, task.id)
+        ce = self.current_task_ce(self.seen_logits(self.prompted_features(x, chosen)), y, task)
         pull = pull_loss(q, self.keys, chosen)
         return ce + self.config.pull * pull, {"pull": pull.detach()}
-
-    # ----------------------------------------------------------------------------- bookkeeping
-    def storage(self) -> dict[str, Any]:
-        """Nothing per task but the head's rows; the pool (prompts and keys) is shared by all tasks."""
-        out = super().storage()
-        out["shared_bits"] = {"prompts": 32 * self.prompts.numel(), "keys": 32 * self.keys.numel()}
-        return out
-
-    def extra_results(self) -> dict[str, Any]:
-        """The prompt-selection histograms (pool collapse shows as the same N bars for every task)."""
-        seen = self.num_seen
-        return {
-            "l2p": {
-                "batchwise_prompt": self.config.batchwise_prompt,
-                "prompt_histogram": {
-                    "train": self.train_counts[:seen].tolist(),
-                    "test": distributed.current().sum_(self.test_counts[:seen].clone()).tolist(),
-                },
-            }
-        }
-
-    def artifacts(self) -> dict[str, torch.Tensor]:
-        return super().artifacts() | {"prompts": self.prompts.detach().clone(), "keys": self.keys.detach().clone()}
-
-    @torch.no_grad()
-    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().load_artifacts(tensors)
-        self.prompts.copy_(tensors["prompts"])
-        self.keys.copy_(tensors["keys"])

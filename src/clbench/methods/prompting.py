@@ -1,0 +1,212 @@
+"""What the prompt methods (L2P, DualPrompt, CODA-Prompt) share over a frozen pretrained ViT.
+
+- The query q(x): the frozen, unprompted backbone's pooled pre-logit feature (the final-norm CLS token for a CLS-pooled
+  ViT, as all three official codes), computed under inference mode with the same weights.
+- Key matching: cosine similarity between q and a pool's keys, the top k per sample (:func:`top_k_by_key`), with the
+  official codes' batch-wise vote as an opt-in; selections counted per task for the histograms in results.json.
+- The key-pull loss (:func:`pull_loss`): the mean over the batch of the summed cosine distances to the chosen keys.
+- Prefix tuning (:class:`PrefixAttention`): prompts prepended to the keys and values of a block's attention, after
+  their projection, as DualPrompt's and CODA-Prompt's official codes attach them.
+- Training: cross-entropy over the current task's classes (the other seen classes' logits at -inf); the backbone never
+  changes; the prompt parameters and the current head train with a fresh optimizer each task.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from timm.models.vision_transformer import Attention, VisionTransformer
+from torch import nn
+
+from clbench import distributed
+from clbench.data import Benchmark, Task
+from clbench.errors import ConfigError
+from clbench.methods.attention import head_merge, head_split, split_heads
+from clbench.methods.base import Method, Phase
+
+log = logging.getLogger(__name__)
+
+
+def prompt_init(kind: str, *shape: int, device: torch.device) -> torch.Tensor:
+    """Prompts and keys at the start: ``uniform`` U(-1, 1) (the PyTorch codes) or ``small`` U(0, 0.01) (flax's
+    default uniform init in the official JAX code)."""
+    low, high = (-1.0, 1.0) if kind == "uniform" else (0.0, 0.01)
+    return torch.empty(*shape, device=device).uniform_(low, high)
+
+
+def count_selections(chosen: torch.Tensor, pool_size: int) -> torch.Tensor:
+    """How often each prompt of the pool is among ``chosen`` (bincount with a fixed length: ``torch.bincount`` sizes
+    its output from the data, a host sync on CUDA in every training step)."""
+    flat = chosen.flatten()
+    return torch.zeros(pool_size, dtype=torch.long, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
+
+
+def cosine(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """cos(q_b, k_m) for every sample and key: (B, M), in fp32."""
+    return F.normalize(query.float(), dim=-1) @ F.normalize(keys.float(), dim=-1).T
+
+
+def pull_loss(query: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """sum over each sample's chosen keys of the cosine distance 1 - cos(q, k), divided by the batch size."""
+    return (1 - cosine(query, keys).gather(1, chosen)).sum() / query.shape[0]
+
+
+def top_k_by_key(similarity: torch.Tensor, k: int, batchwise: bool) -> torch.Tensor:
+    """Indices (B, k) of each sample's k most similar keys; ``batchwise``: the official codes' majority vote, every
+    sample of the batch takes the batch's k most chosen keys (a prediction then depends on its batch)."""
+    chosen = similarity.topk(k, dim=1).indices
+    if batchwise:
+        votes = count_selections(chosen, similarity.shape[1])
+        chosen = votes.topk(k).indices.expand(len(similarity), k)
+    return chosen
+
+
+def within_depth(key: str, layers: list[int], depth: int) -> list[int]:
+    """The configured blocks that the backbone has: a shallower backbone (the embedded micro ViT, 4 blocks) keeps those
+    it has, said in the log; none at all is an error."""
+    kept = sorted(i for i in set(layers) if i < depth)
+    if not kept:
+        raise ConfigError(
+            f"Invalid value for `{key}`: {layers}. Allowed: block indices below the backbone's depth {depth}."
+        )
+    if len(kept) < len(set(layers)):
+        log.warning("%s=%s: the backbone has %d blocks; prompting blocks %s", key, layers, depth, kept)
+    return kept
+
+
+class PrefixAttention(nn.Module):
+    """Wraps a timm ``Attention``: with ``prefix`` set, (B, 2, L, width) key and value vectors prepended to the keys
+    and values of every head after their projection (prefix tuning; channel c of a prefix belongs to head
+    c // head_dim, as in timm's qkv layout); the queries and the output stay the N tokens'. Without it, the wrapped
+    module runs unchanged. Attention stays PyTorch's fused scaled-dot-product attention."""
+
+    def __init__(self, attn: nn.Module) -> None:
+        super().__init__()
+        if not isinstance(attn, Attention):
+            raise ConfigError(
+                f"Prefix prompts need timm's Attention in every prompted block, not {type(attn).__name__} "
+                "(e.g. backbone.refiner=false)."
+            )
+        self.attn = attn
+        self.prefix: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+        if self.prefix is None:
+            return self.attn(x, attn_mask=attn_mask, is_causal=is_causal)
+        if attn_mask is not None or is_causal:
+            raise ValueError("prefix prompts cannot be combined with another attention mask")
+        q, k, v, gate = head_split(self.attn, x)
+        prefix = self.prefix.to(q.dtype).expand(len(x), -1, -1, -1)
+        k = torch.cat([split_heads(self.attn, prefix[:, 0]), k], dim=2)
+        v = torch.cat([split_heads(self.attn, prefix[:, 1]), v], dim=2)
+        drop = self.attn.attn_drop.p if self.training else 0.0
+        return head_merge(self.attn, F.scaled_dot_product_attention(q, k, v, dropout_p=drop), gate)
+
+
+class PromptMethod(Method):
+    """Base of the prompt methods: a frozen backbone, per-task heads whose concatenation is the one class-incremental
+    head, the query, the selection histograms of a pool of ``pool_size`` keyed prompts (None: no pool), and training
+    over the current task's classes. Subclasses name what they train in :meth:`prompt_parameters`."""
+
+    changes_backbone = False
+
+    def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any, pool_size: int | None) -> None:
+        super().__init__(backbone, benchmark, config)
+        self.backbone.requires_grad_(False)
+        self.pool_size = pool_size
+        device = backbone.cls_token.device if backbone.cls_token is not None else backbone.pos_embed.device
+        if pool_size is not None:
+            size = (len(benchmark.tasks), pool_size)
+            self.register_buffer("train_counts", torch.zeros(size, dtype=torch.long, device=device))
+            self.register_buffer("test_counts", torch.zeros(size, dtype=torch.long, device=device))
+        self._eval_task: int | None = None
+
+    def prompt_parameters(self) -> dict[str, nn.Parameter]:
+        """What the method trains besides the heads, by name (saved in the run's artifacts under these names)."""
+        raise NotImplementedError
+
+    def wrap_prefix_layers(self, layers: list[int]) -> dict[int, PrefixAttention]:
+        """Prefix attention in each of ``layers``' blocks (parameters stay the backbone's)."""
+        wrapped = {}
+        for i in layers:
+            block = self.backbone.blocks[i]
+            block.attn = wrapped[i] = PrefixAttention(block.attn)
+        return wrapped
+
+    # ----------------------------------------------------------------------------- query and selection
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """q(x): the frozen, unprompted ViT's pooled feature, under inference mode (no graph, same weights)."""
+        with torch.inference_mode():
+            q = self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+        return q.clone()  # a normal tensor again, usable in the pull loss
+
+    def record(self, chosen: torch.Tensor, task_id: int | None) -> None:
+        """Count a batch's selections: in training under ``task_id``, in evaluation under the evaluated task."""
+        counts, row = (self.train_counts, task_id) if task_id is not None else (self.test_counts, self._eval_task)
+        if row is not None:
+            counts[row] += count_selections(chosen, self.pool_size)
+
+    @contextmanager
+    def evaluating(self, task_id: int) -> Iterator[None]:
+        """Bins the test-time prompt selections by the evaluated task (diagnostics only: never used to predict)."""
+        self._eval_task = task_id
+        try:
+            yield
+        finally:
+            self._eval_task = None
+
+    # ----------------------------------------------------------------------------- training
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        for t, head in enumerate(self.heads):
+            head.requires_grad_(t == task.id)  # other classes' logits are masked: their rows get no gradient
+        params = [*self.prompt_parameters().values(), *self.heads[task.id].parameters()]
+        return [{"params": params, "weight_decay": 0.0}]
+
+    @staticmethod
+    def current_task_ce(logits: torch.Tensor, y: torch.Tensor, task: Task) -> torch.Tensor:
+        """Cross-entropy over the current task's classes of logits over every seen class (the others at -inf), with
+        global labels: what all three official codes train (``train_mask``)."""
+        outside = torch.ones(logits.shape[1], dtype=torch.bool, device=logits.device)
+        outside[task.offset : task.offset + task.num_classes] = False
+        return F.cross_entropy(logits.masked_fill(outside, float("-inf")), y)
+
+    def after_task(self, task: Task) -> None:
+        super().after_task(task)
+        if self.pool_size is not None:
+            # Each rank of a multi-process run counted its share of the batches (a run resumed mid-task under torchrun
+            # counts the interrupted part of the task once per rank: a histogram-only difference).
+            distributed.current().sum_(self.train_counts[task.id])
+            self.test_counts.zero_()  # the histogram of the evaluation that follows
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def storage(self) -> dict[str, Any]:
+        """Per task, the head; the prompt parameters shared by all tasks (subclasses move per-task slices to the
+        task)."""
+        out = super().storage()
+        out["shared_bits"] = {name: 32 * p.numel() for name, p in self.prompt_parameters().items()}
+        return out
+
+    def extra_results(self) -> dict[str, Any]:
+        """The prompt-selection histograms under the method's name (pool collapse shows as the same bars for every
+        task), and whether the batch-wise vote was on."""
+        if self.pool_size is None:
+            return {}
+        seen = self.num_seen
+        test = distributed.current().sum_(self.test_counts[:seen].clone()).tolist()
+        histogram = {"train": self.train_counts[:seen].tolist(), "test": test}
+        name = type(self).__name__.lower()
+        return {name: {"batchwise_prompt": self.config.batchwise_prompt, "prompt_histogram": histogram}}
+
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        return super().artifacts() | {k: p.detach().clone() for k, p in self.prompt_parameters().items()}
+
+    @torch.no_grad()
+    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_artifacts(tensors)
+        for name, p in self.prompt_parameters().items():
+            p.copy_(tensors[name])
