@@ -22,9 +22,9 @@ from clbench.loop.runtime import Acceleration, acceleration, build_runtime, grap
 from clbench.loop.task import run_task
 from clbench.methods import meat
 from clbench.methods.finetune import Finetune
-from conftest import compose_config, tiny_config
+from conftest import TRAINED, compose_config, tiny_config
 
-METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
+METHODS = TRAINED
 CUDA = torch.device("cuda")  # a device object only: nothing below touches a GPU
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clbench.bench.cli import measure, parse
-from conftest import attention_ops
+from conftest import TRAINED, attention_ops
 
 KEYS = {"name", "backbone", "batch_size", "image_size", "images_per_s", "step_ms", "peak_mem_mb", "mfu"}
 TINY = ["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"]
@@ -38,7 +38,7 @@ def test_unknown_entries_are_refused() -> None:
 def test_target_ratios_follow_their_definitions() -> None:
     from clbench.bench.cli import target_ratios
 
-    ms = {"finetune": 50.0, "hat": 60.0, "meat": 75.0, "l2p": 90.0}
+    ms = {"finetune": 50.0, "hat": 60.0, "meat": 75.0, "l2p": 90.0, "dualprompt": 99.0, "coda_prompt": 117.0}
     refs = {"reference/timm_train": 55.0, "reference/timm_compiled": 40.0}
     refs |= {"reference/timm_frozen": 40.0, "reference/timm_inference": 20.0}
     ratios = target_ratios([{"name": k, "step_ms": v} for k, v in {**ms, **refs}.items()])
@@ -47,11 +47,12 @@ def test_target_ratios_follow_their_definitions() -> None:
         "finetune_speed_vs_timm_compiled": 0.8,
         "slowest_method_step_vs_finetune": 1.5,
         "l2p_step_vs_frozen_plus_inference": 1.5,
+        "slowest_prompt_successor_step_vs_l2p": 1.3,
     }
     assert target_ratios([{"name": "l2p", "error": "x"}])["l2p_step_vs_frozen_plus_inference"] is None
 
 
-@pytest.mark.parametrize("name", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+@pytest.mark.parametrize("name", [m for m in TRAINED if m != "joint"])
 def test_every_method_trains_with_fused_attention(name: str) -> None:
     """PyTorch's fused scaled-dot-product attention in every method's real step, no softmax of attention maps
     (cross-entropy's log-softmax aside): MEAT's token masks and L2P's prompts included."""

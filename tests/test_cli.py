@@ -66,6 +66,8 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
         "hat",
         "meat",
         "l2p",
+        "dualprompt",
+        "coda_prompt",
         "simplecil",
     }
     for text in (

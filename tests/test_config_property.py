@@ -24,6 +24,8 @@ METHOD_KEYS = {
     "hat": ["s_max", "c", "thres_cosh", "thres_emb", "units"],
     "meat": ["gamma", "alpha", "lam", "tau", "init", "token_mask_layers", "mask_lr"],
     "l2p": ["pool_size", "top_n", "prompt_length", "pull", "layout", "diversify", "batchwise_prompt"],
+    "dualprompt": ["g_length", "e_length", "top_k", "pull", "prefix", "shared_prompt_pool", "batchwise_prompt"],
+    "coda_prompt": ["pool_size", "length", "layers", "ortho_mu", "init"],
 }
 COMMON_KEYS = [
     "trainer.epochs",

@@ -23,7 +23,7 @@ from clbench.errors import ClbenchError, DataError, Interrupted
 from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import Runtime, build_runtime
-from conftest import TINY, clbench, run_command, tiny_config
+from conftest import ALL_METHODS, TINY, clbench, run_command, tiny_config
 from test_resume import CHECKPOINTED, matrices
 
 TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
@@ -215,7 +215,7 @@ def test_parallel_jobs_split_the_cores() -> None:
 
 
 # --------------------------------------------------------------------------------------------- crashes, then resume
-METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "simplecil")
+METHODS = ALL_METHODS
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -38,9 +38,9 @@ from clbench.loop.step import WARMUP_STEPS, train_step
 from clbench.loop.task import Hooks, PhaseRun, run_task
 from clbench.methods import meat
 from clbench.methods.base import Method
-from conftest import TINY, attention_ops, clbench, compose_config, run_command
+from conftest import TINY, TRAINED, attention_ops, clbench, compose_config, run_command
 
-METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p")
+METHODS = TRAINED
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

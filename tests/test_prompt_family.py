@@ -148,9 +148,7 @@ def test_coda_prompt_forward_loss_and_gradients_are_the_official_ones(task_count
     loss, logs = method.training_loss(x, y, task)
     loss.backward()
     ours = grads(*trained)
-    logits, prompt_loss = coda_ref.forward(
-        vit, x, **common, train=True, task_classes=list(range(task.offset, seen))
-    )
+    logits, prompt_loss = coda_ref.forward(vit, x, **common, train=True, task_classes=list(range(task.offset, seen)))
     expected = F.cross_entropy(logits, y) + prompt_loss
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(logs["ortho"], prompt_loss.detach(), rtol=1e-5, atol=1e-9)

@@ -17,7 +17,7 @@ from clbench.errors import ConfigError
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
-from conftest import TINY, clbench, compose_config, tiny_config
+from conftest import ALL_METHODS, TINY, clbench, compose_config, tiny_config
 
 
 def indexed_benchmark(per_class: list[int]) -> Benchmark:
@@ -101,7 +101,7 @@ def test_a_test_objective_needs_the_opt_in_and_is_warned_about(tmp_path: Path) -
     assert res["objective"] == {"name": "cil.final_acc", "value": res["metrics"]["cil"]["final_acc"]}
 
 
-METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "simplecil")
+METHODS = ALL_METHODS
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -61,6 +61,7 @@ class Recorder(torch.nn.Module):
         return x
 
 
+# DualPrompt and CODA-Prompt attach prefixes to timm's attention: Refiner attention is refused for them (tested there)
 @pytest.mark.parametrize("method", ["finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
 def test_every_method_runs_on_refiner(tmp_path: Path, method: str) -> None:
     extra = ("trainer.lr_scale_batch=null", "trainer.warmup_epochs=0") if method == "meat" else ()

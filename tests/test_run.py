@@ -17,7 +17,7 @@ from clbench.loop.runtime import Runtime, build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
-from conftest import TINY, compose_config, tiny_config
+from conftest import TINY, TRAINED, compose_config, tiny_config
 
 TASKS = 3
 
@@ -168,7 +168,7 @@ def test_heatmap_renders_negative_forgetting() -> None:
     assert heatmap_png(results, "til")[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+@pytest.mark.parametrize("method", [m for m in TRAINED if m != "joint"])
 def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, method: str) -> None:
     extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
     overrides = (*TINY, f"method={method}", "trainer.epochs=1", *extra)
@@ -190,7 +190,7 @@ def test_reevaluating_a_corrupt_or_foreign_folder_is_a_clear_error(tmp_path: Pat
         reevaluate(tmp_path)
 
 
-@pytest.mark.parametrize("method", ["finetune", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+@pytest.mark.parametrize("method", [m for m in TRAINED if m != "joint"])
 def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> None:
     """Frozen parts (pretrained weights under masks, other tasks' heads, PackNet's and HAT's frozen biases and
     norms after task 0) are left out of autograd: after a real step their .grad is None."""
@@ -215,7 +215,7 @@ def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> No
         finish_untrained(method_obj, task)
 
 
-@pytest.mark.parametrize("method", ["finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p"])
+@pytest.mark.parametrize("method", TRAINED)
 def test_both_scenarios_from_one_call_equal_separate_predictions(method: str) -> None:
     """Evaluation shares the passes TIL and CIL have in common; the logits are those of two predict calls."""
     cfg = tiny_config(f"method={method}", "trainer.epochs=1")

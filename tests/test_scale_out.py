@@ -72,7 +72,9 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
     assert len({r["method_config"]["lam"] for r in runs}) == 3  # the sampler really varied lam
 
 
-@pytest.mark.parametrize("method", ["finetune", "meat"])
+@pytest.mark.parametrize(
+    "method", ["finetune", "meat", *(pytest.param(m, marks=pytest.mark.slow) for m in ("dualprompt", "coda_prompt"))]
+)
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too
     overrides = (*TINY, f"method={method}", "trainer.batch_size=33", "logger.mode=offline")

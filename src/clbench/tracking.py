@@ -110,8 +110,8 @@ def task_confusion_png(results: Results) -> bytes:
 
 
 def prompt_histogram_png(histogram: dict[str, list[list[int]]], title: str) -> bytes:
-    """L2P's prompt-selection counts, tasks x prompts, for training and for the latest evaluation side by side
-    (pool collapse shows as the same few columns lit in every row)."""
+    """A prompt method's selection counts (L2P's pool, DualPrompt's E-prompts), tasks x prompts, for training and for
+    the latest evaluation side by side (pool collapse shows as the same few columns lit in every row)."""
     fig, axes = plt.subplots(1, len(histogram), figsize=(9, 2 + 0.35 * len(next(iter(histogram.values())))))
     for ax, (phase, rows) in zip(axes, histogram.items(), strict=True):
         im = ax.imshow(rows, cmap="magma", aspect="auto")
@@ -138,7 +138,8 @@ def write_run_files(
             write_atomic(run_dir / f"heatmap_{s}.png", heatmap_png(results, s))
     if heatmaps and results.diagnostics.get("task_confusion", {}).get("cil"):
         write_atomic(run_dir / "task_confusion_cil.png", task_confusion_png(results))
-    histogram = results.extra.get("l2p", {}).get("prompt_histogram")
+    entries = [v for v in results.extra.values() if isinstance(v, dict) and "prompt_histogram" in v]
+    histogram = entries[0]["prompt_histogram"] if entries else None
     if histogram and histogram["train"]:
         title = f"{results.header['method']} on {results.header['benchmark']}"
         write_atomic(run_dir / "prompt_histogram.png", prompt_histogram_png(histogram, title))
