@@ -44,6 +44,10 @@ def first_step(method: Method, rt: Runtime) -> torch.Tensor:
     return train_step(method, task, rt, x, y, optimizer=optimizer, params=params)[0]
 
 
+NATURAL = [list(range(10 * i, 10 * i + 10)) for i in range(10)]  # the official codes' class order
+PROMPT_DEPTH = ("backbone.kwargs.depth=5",)  # DualPrompt's and CODA-Prompt's official blocks (up to 4) all exist
+
+
 def official_split(seed: int, tasks: int) -> list[list[int]]:
     """RandSplitCIFAR100 (RAIVNLab/supsup, data/partitioncifar.py): np.random.seed(seed); perm = permutation(100)."""
     np.random.seed(seed)
@@ -55,7 +59,9 @@ def official_split(seed: int, tasks: int) -> list[list[int]]:
 @pytest.mark.parametrize(
     ("preset", "classes", "test_size"),
     [
-        ("l2p_cifar100_paper", [list(range(10 * i, 10 * i + 10)) for i in range(10)], 224),  # the natural order
+        ("l2p_cifar100_paper", NATURAL, 224),
+        ("dualprompt_cifar100_paper", NATURAL, 224),
+        ("coda_prompt_cifar100_paper", NATURAL, 224),
         ("supsup_splitcifar100_paper", official_split(0, 20), 32),
     ],
 )
@@ -64,7 +70,9 @@ def test_a_paper_preset_reads_the_real_layout_and_takes_a_step(
 ) -> None:
     write_cifar100(tmp_path)
     cfg = validate(
-        compose_config(f"experiment={preset}", f"data.root={tmp_path}", "data.verify_checksums=false", *SHRINK)
+        compose_config(
+            f"experiment={preset}", f"data.root={tmp_path}", "data.verify_checksums=false", *SHRINK, *PROMPT_DEPTH
+        )
     )
     method, rt = build_runtime(cfg)
     assert [list(t.classes) for t in rt.benchmark.tasks] == classes
@@ -284,3 +292,18 @@ def test_the_l2p_five_datasets_preset_takes_a_step_on_its_files(tmp_path: Path) 
     method, rt = build_runtime(cfg)
     assert [t.num_classes for t in rt.benchmark.tasks] == [10] * 5
     assert torch.isfinite(first_step(method, rt))
+
+
+@pytest.mark.parametrize("preset", ["dualprompt_imagenet_r_paper", "coda_prompt_imagenet_r_paper"])
+def test_the_imagenet_r_prompt_presets_read_the_wnid_folders_in_sorted_order_and_take_a_step(
+    tmp_path: Path, preset: str
+) -> None:
+    """ImageNet-R as <root>/imagenet-r/<wnid>/*: 200 classes in 10 tasks in sorted WordNet-id order (both official
+    codes' order), the seeded 80/20 split, Resize(256) + CenterCrop(224) at test."""
+    wnids = [f"n{1440000 + 37 * i:08d}" for i in range(200)]
+    write_image_folder(tmp_path / "imagenet-r", wnids[::-1], 5, split=False)  # reversed: the order is the names'
+    overrides = (f"experiment={preset}", f"data.root={tmp_path}", *SHRINK, *PROMPT_DEPTH, "data.store=device")
+    method, rt = build_runtime(validate(compose_config(*overrides)))
+    assert [name for task in rt.benchmark.tasks for name in task.class_names] == wnids
+    assert torch.isfinite(first_step(method, rt))
+    assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, 224, 224)
