@@ -30,8 +30,8 @@ TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    """Every file of a run folder but its log (which gains the refusal's line), by relative path."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file() and p.suffix != ".log"}
+    """Every file of a run folder, by relative path."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
 def refused(out: subprocess.CompletedProcess, *needles: str) -> None:
@@ -75,10 +75,11 @@ def test_bad_values_are_refused_before_training(overrides: tuple[str, ...], key:
 def test_a_refused_resume_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    (run_dir / files.PID_FILE).write_text("4242\n")  # what a killed run leaves behind
     before = snapshot(run_dir)
     out = clbench(*TINY_RUN, "seed=5", "trainer.lr=0.01", "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     refused(out, "seed: checkpoint 0, now 5", "trainer.lr: checkpoint 0.001, now 0.01")
-    assert snapshot(run_dir) == before  # .hydra/config.yaml, overrides.yaml, results.json, checkpoint: unchanged
+    assert snapshot(run_dir) == before  # .hydra files, clbench.log, the PID file, results.json, checkpoint
 
 
 def test_resume_on_a_missing_folder_is_refused_without_creating_it(tmp_path: Path) -> None:

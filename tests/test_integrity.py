@@ -248,16 +248,3 @@ def test_resume_accepts_where_the_data_lives_and_how_it_is_read(tmp_path: Path) 
     said = " ".join(resumed.stderr.split())
     assert "data.store: 'device' -> 'stream'" in said and "data.val_seed: 0 -> 5" in said
     assert matrices(tmp_path / "resumed" / "results.json") == matrices(tmp_path / "whole" / "results.json")
-
-
-def test_a_refused_resume_leaves_the_folder_byte_for_byte(tmp_path: Path) -> None:
-    from test_resume import CHECKPOINTED, clbench_killing_itself
-
-    run = (*TINY, *CHECKPOINTED, "logger.mode=disabled")
-    folder = tmp_path / "run"
-    assert clbench_killing_itself(folder, "KILL", 3, *run).returncode == -9  # leaves its PID file behind
-    before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    refused = clbench(*run, "trainer.lr=0.5", "resume=true", f"hydra.run.dir={folder}", cwd=tmp_path)
-    assert refused.returncode == 2 and "Cannot resume" in refused.stderr
-    after = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
-    assert after == before

@@ -17,7 +17,7 @@ from clbench.loop.runtime import Runtime, build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
-from conftest import TINY, TRAINED, compose_config, tiny_config
+from conftest import TINY, TRAINED, compose_config, tiny_config, tiny_fit
 
 TASKS = 3
 
@@ -171,7 +171,7 @@ def test_heatmap_renders_negative_forgetting() -> None:
 @pytest.mark.parametrize("method", [m for m in TRAINED if m != "joint"])
 def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, method: str) -> None:
     extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
-    overrides = (*TINY, f"method={method}", "trainer.epochs=1", *extra)
+    overrides = (*TINY, *tiny_fit(f"method={method}"), f"method={method}", "trainer.epochs=1", *extra)
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(compose_config(*overrides), tmp_path / ".hydra" / "config.yaml")
     train(validate(compose_config(*overrides)), tmp_path)

@@ -13,7 +13,7 @@ import yaml
 from safetensors.torch import load_file
 
 from clbench.comparable import setting_name
-from conftest import TINY, clbench, run_command
+from conftest import TINY, clbench, run_command, tiny_fit
 
 SHORT = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
 
@@ -77,7 +77,13 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
 )
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too
-    overrides = (*TINY, f"method={method}", "trainer.batch_size=33", "logger.mode=offline")
+    overrides = (
+        *TINY,
+        *tiny_fit(f"method={method}"),
+        f"method={method}",
+        "trainer.batch_size=33",
+        "logger.mode=offline",
+    )
     one = clbench(*overrides, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
     torchrun = Path(sys.executable).with_name("torchrun")
