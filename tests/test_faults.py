@@ -23,7 +23,7 @@ from clbench.errors import ClbenchError, DataError, Interrupted
 from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import Runtime, build_runtime
-from conftest import ALL_METHODS, TINY, clbench, run_command, tiny_config
+from conftest import ALL_METHODS, TINY, clbench, run_command, tiny_config, tiny_fit
 from test_resume import CHECKPOINTED, matrices
 
 TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
@@ -259,7 +259,8 @@ def test_a_sigkill_at_a_seeded_random_checkpoint_resumes_to_the_uninterrupted_re
     from test_resume import clbench_killing_itself
 
     extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
-    overrides = (*TINY, *CHECKPOINTED, f"method={method}", *extra, "logger.mode=disabled")
+    chosen = f"method={method}"
+    overrides = (*TINY, *tiny_fit(chosen), *CHECKPOINTED, chosen, *extra, "logger.mode=disabled")
     whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
     after = random.Random(f"kill:{method}").randint(1, 2 if method == "simplecil" else 4)  # simplecil: 3 writes

@@ -32,7 +32,6 @@ from contextlib import nullcontext
 import torch
 from timm.data import Mixup
 from torch import nn
-from torch._dynamo.exc import TorchDynamoException
 from torch._dynamo.utils import counters
 
 from clbench.data import Task
@@ -48,9 +47,9 @@ StepOut = tuple[torch.Tensor, Logs]
 
 class TaskLoss(nn.Module):
     """``method.training_loss`` on one task as a module: the unit DDP wraps to average gradients over ranks. A batch
-    of ``full`` rows goes through ``compiled`` (the compiled ``training_loss``) where there is one; if compiling it
-    fails, ``failed`` is told and the batch goes through the eager loss (tracing draws no random number, so the step
-    is the eager one)."""
+    of ``full`` rows goes through ``compiled`` (the compiled ``training_loss``) where there is one; if it fails (out
+    of memory aside), ``failed`` is told and the batch goes through the eager loss (tracing draws no random number, so
+    the step is the eager one); an error of the eager loss itself is raised from there."""
 
     def __init__(
         self,
@@ -67,7 +66,9 @@ class TaskLoss(nn.Module):
         if self.compiled is not None and len(x) == self.full:
             try:
                 return self.compiled(x, y, self.task)
-            except TorchDynamoException as err:
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as err:  # dynamo's errors, and torch's own asserts inside a compiled graph
                 if self.failed is None:
                     raise
                 self.failed(err)
@@ -188,7 +189,9 @@ class Stepper:
         record, before, start = self.rt.log, counters["stats"]["unique_graphs"], time.perf_counter()
         try:
             out = self.take(x_raw, y)
-        except TorchDynamoException as err:
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # compiling the backward failed (an eager step's own error is raised again below)
             if self.loss.compiled is None:
                 raise
             self.stop_compiling(err)

@@ -1,8 +1,8 @@
 """L2P (Wang et al., "Learning to Prompt for Continual Learning", CVPR 2022): a prompt pool over a frozen ViT.
 
 A pool of M prompts P_j (Lp tokens of width D each) with learnable keys k_j. The query q(x) is the frozen,
-unprompted ViT's pooled pre-logit feature (final-norm CLS token for a CLS-pooled ViT), computed under
-inference mode with the same weights; the N prompts whose keys are most cosine-similar to q(x) are
+unprompted ViT's pooled pre-logit feature (final-norm CLS token for a CLS-pooled ViT), computed without
+gradients with the same weights; the N prompts whose keys are most cosine-similar to q(x) are
 prepended to the patch tokens (Eq. 2-3), and the head reads the mean of the outputs at the prompt
 positions. Loss (Eq. 5): CE over the current task's classes (other logits masked to -inf) + ``pull`` *
 sum over the selected keys of (1 - cos(q, k)) / batch. The backbone never changes; prompts, keys and the

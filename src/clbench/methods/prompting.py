@@ -1,7 +1,7 @@
 """What the prompt methods (L2P, DualPrompt, CODA-Prompt) share over a frozen pretrained ViT.
 
 - The query q(x): the frozen, unprompted backbone's pooled pre-logit feature (the final-norm CLS token for a CLS-pooled
-  ViT, as all three official codes), computed under inference mode with the same weights.
+  ViT, as all three official codes), computed without gradients with the same weights.
 - Key matching: cosine similarity between q and a pool's keys, the top k per sample (:func:`top_k_by_key`), with the
   official codes' batch-wise vote as an opt-in; selections counted per task for the histograms in results.json.
 - The key-pull loss (:func:`pull_loss`): the mean over the batch of the summed cosine distances to the chosen keys.
@@ -140,10 +140,10 @@ class PromptMethod(Method):
 
     # ----------------------------------------------------------------------------- query and selection
     def query(self, x: torch.Tensor) -> torch.Tensor:
-        """q(x): the frozen, unprompted ViT's pooled feature, under inference mode (no graph, same weights)."""
-        with torch.inference_mode():
-            q = self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
-        return q.clone()  # a normal tensor again, usable in the pull loss
+        """q(x): the frozen, unprompted ViT's pooled feature, without gradients (no graph, same weights). Not under
+        inference mode: its tensors cannot enter a compiled step (torch.compile fails on them inside a graph)."""
+        with torch.no_grad():
+            return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
 
     def record(self, chosen: torch.Tensor, task_id: int | None) -> None:
         """Count a batch's selections: in training under ``task_id``, in evaluation under the evaluated task."""
