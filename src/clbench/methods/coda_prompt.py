@@ -149,7 +149,7 @@ class CODAPrompt(PromptMethod):
             attn.prefix, block_loss = self.block_prompt(i, q, training)
             loss = loss + block_loss
         try:
-            return super().features(x, None), loss
+            return self.pooled(x), loss
         finally:
             for attn in self.prefixed.values():
                 attn.prefix = None
@@ -157,10 +157,6 @@ class CODAPrompt(PromptMethod):
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         """Every seen task's components, weighted per sample by the query: no task id is used."""
         return self.prompted(x, training=False)[0]
-
-    def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
-        """TIL: the task's own classes' logits of the one head."""
-        return self.heads[task_id](self.features(x, task_id))
 
     # ----------------------------------------------------------------------------- training
     @torch.no_grad()

@@ -37,8 +37,7 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.base import Logs
-from clbench.methods.prompting import PromptMethod, cosine, prompt_init, pull_loss, top_k_by_key, within_depth
+from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key, within_depth
 
 
 @dataclass
@@ -121,7 +120,7 @@ class DualPrompt(PromptMethod):
         for layer, attn in self.prefixed.items():
             attn.prefix = prompts[layer]
         try:
-            return super().features(x, None)
+            return self.pooled(x)
         finally:
             for attn in self.prefixed.values():
                 attn.prefix = None
@@ -140,15 +139,11 @@ class DualPrompt(PromptMethod):
         h = torch.cat([h[:, :prefix], h[:, prefix + inserted :]], dim=1)
         return vit.forward_head(vit.norm(h), pre_logits=True)
 
-    def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
-        """The E-prompts are chosen by the query alone: the task id is never used to pick them at test time."""
-        chosen = top_k_by_key(cosine(self.query(x), self.keys), self.config.top_k, self.config.batchwise_prompt)
-        self.record(chosen, None)
-        return self.prompted_features(x, chosen)
-
-    def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
-        """TIL: the task's own classes' logits of the one head."""
-        return self.heads[task_id](self.features(x, task_id))
+    def select(self, q: torch.Tensor, task: Task | None) -> torch.Tensor:
+        """Training task t: E-prompt slots t (``use_prompt_mask``); at test the top-k by key."""
+        if task is not None:
+            return self.slots(task.id).expand(len(q), -1)
+        return top_k_by_key(cosine(q, self.keys), self.config.top_k, self.config.batchwise_prompt)
 
     # ----------------------------------------------------------------------------- training
     @torch.no_grad()
@@ -156,14 +151,6 @@ class DualPrompt(PromptMethod):
         super().before_task(task)
         if self.config.shared_prompt_pool and task.id > 0:
             self.e_prompt[:, self.slots(task.id)] = self.e_prompt[:, self.slots(task.id - 1)]
-
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        q = self.query(x)
-        chosen = self.slots(task.id).expand(len(x), -1)
-        self.record(chosen, task.id)
-        ce = self.current_task_ce(self.seen_logits(self.prompted_features(x, chosen)), y, task)
-        pull = pull_loss(q, self.keys, chosen)
-        return ce + self.config.pull * pull, {"pull": pull.detach()}
 
     # ----------------------------------------------------------------------------- bookkeeping
     def storage(self) -> dict[str, Any]:

@@ -32,8 +32,7 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.base import Logs
-from clbench.methods.prompting import PromptMethod, cosine, prompt_init, pull_loss, top_k_by_key
+from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key
 
 
 @dataclass
@@ -111,16 +110,6 @@ class L2P(PromptMethod):
         pooled = out[:, start : start + prompts.shape[1]].mean(1)
         return vit.fc_norm(pooled)
 
-    def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
-        """The selection uses the query only; the task id is never used to pick prompts at test time."""
-        chosen = self.select(self.query(x), None)
-        self.record(chosen, None)
-        return self.prompted_features(x, chosen)
-
-    def task_logits(self, x: torch.Tensor, task_id: int) -> torch.Tensor:
-        """TIL: the task's own classes' logits of the one head."""
-        return self.heads[task_id](self.features(x, task_id))
-
     # ----------------------------------------------------------------------------- training
     @torch.no_grad()
     def before_task(self, task: Task) -> None:
@@ -129,11 +118,3 @@ class L2P(PromptMethod):
         if self.config.diversify == "task_slots" and self.config.shared_prompt_pool and task.id > 0:
             self.prompts[task.id * n : (task.id + 1) * n] = self.prompts[(task.id - 1) * n : task.id * n]
             self.keys[task.id * n : (task.id + 1) * n] = self.keys[(task.id - 1) * n : task.id * n]
-
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        q = self.query(x)
-        chosen = self.select(q, task)
-        self.record(chosen, task.id)
-        ce = self.current_task_ce(self.seen_logits(self.prompted_features(x, chosen)), y, task)
-        pull = pull_loss(q, self.keys, chosen)
-        return ce + self.config.pull * pull, {"pull": pull.detach()}

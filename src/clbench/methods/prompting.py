@@ -27,7 +27,7 @@ from clbench import distributed
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.attention import head_merge, head_split, split_heads
-from clbench.methods.base import Method, Phase
+from clbench.methods.base import Logs, Method, Phase
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,11 @@ class PrefixAttention(nn.Module):
 
 class PromptMethod(Method):
     """Base of the prompt methods: a frozen backbone, per-task heads whose concatenation is the one class-incremental
-    head, the query, the selection histograms of a pool of ``pool_size`` keyed prompts (None: no pool), and training
-    over the current task's classes. Subclasses name what they train in :meth:`prompt_parameters`."""
+    head, the query, a pool of ``pool_size`` keyed prompts (None: no pool) with its selection histograms, and training
+    over the current task's classes plus the key-pull term. Subclasses name what they train
+    (:meth:`prompt_parameters`), how they pick prompts (:meth:`select`) and how the prompts enter the backbone
+    (:meth:`prompted_features`); a method without keyed prompts (CODA-Prompt) overrides ``features`` and
+    ``training_loss`` instead."""
 
     changes_backbone = False
 
@@ -138,12 +141,24 @@ class PromptMethod(Method):
             block.attn = wrapped[i] = PrefixAttention(block.attn)
         return wrapped
 
+    def select(self, q: torch.Tensor, task: Task | None) -> torch.Tensor:
+        """The prompts (B, k) each sample uses; ``task`` is set while training it."""
+        raise NotImplementedError
+
+    def prompted_features(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The pooled feature of the backbone's pass with the ``chosen`` prompts."""
+        raise NotImplementedError
+
     # ----------------------------------------------------------------------------- query and selection
+    def pooled(self, x: torch.Tensor) -> torch.Tensor:
+        """The backbone's pooled pre-logit feature of ``x``, with whatever prompts its attentions hold."""
+        return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """q(x): the frozen, unprompted ViT's pooled feature, without gradients (no graph, same weights). Not under
         inference mode: its tensors cannot enter a compiled step (torch.compile fails on them inside a graph)."""
         with torch.no_grad():
-            return self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+            return self.pooled(x)
 
     def record(self, chosen: torch.Tensor, task_id: int | None) -> None:
         """Count a batch's selections: in training under ``task_id``, in evaluation under the evaluated task."""
@@ -160,7 +175,22 @@ class PromptMethod(Method):
         finally:
             self._eval_task = None
 
+    def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
+        """The prompts are chosen by the query alone: the task id is never used to pick them at test time."""
+        chosen = self.select(self.query(x), None)
+        self.record(chosen, None)
+        return self.prompted_features(x, chosen)
+
     # ----------------------------------------------------------------------------- training
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        """Cross-entropy over the current task's classes + ``pull`` x the key-pull term of the chosen prompts."""
+        q = self.query(x)
+        chosen = self.select(q, task)
+        self.record(chosen, task.id)
+        ce = self.current_task_ce(self.seen_logits(self.prompted_features(x, chosen)), y, task)
+        pull = pull_loss(q, self.keys, chosen)
+        return ce + self.config.pull * pull, {"pull": pull.detach()}
+
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
         for t, head in enumerate(self.heads):
             head.requires_grad_(t == task.id)  # other classes' logits are masked: their rows get no gradient
