@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-all bench gpu-check gpu-test gpu-bench gpu-l2p weights lint format clean
+.PHONY: help install run test test-all bench table gpu-check gpu-test gpu-bench gpu-l2p weights lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ test-all: $(STAMP)  ## every test, slow ones included
 
 bench: $(STAMP)  ## step throughput of every method vs plain timm references -> bench.json (vit_micro on CPU)
 	HF_HUB_OFFLINE=1 $(PY) -m clbench.bench $(ARGS)
+
+table: $(STAMP)  ## run every method on the embedded default (5 and 3 tasks) and rewrite the README's method tables
+	HF_HUB_OFFLINE=1 $(PY) -m clbench.method_table --readme README.md $(ARGS)
 
 # On a GPU machine without the venv (e.g. torch preinstalled, the rest carried as wheels):
 #   make gpu-check GPU_PY=python3   (with clbench importable: PYTHONPATH=src or an installed wheel)

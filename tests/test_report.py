@@ -236,3 +236,19 @@ def test_a_report_that_cannot_be_written_is_refused_before_reading(
         main([str(tmp_path / "sweep"), "--out", "/proc/nope/rep"])
     assert exit_.value.code == 2
     assert "Cannot write in the output folder /proc/nope" in capsys.readouterr().err
+
+
+def test_the_method_tables_are_measured_and_written_between_their_markers(tmp_path: Path) -> None:
+    """`make table` on one method (shrunk to a second's run): both tables rewritten from its results.json, the text
+    around them kept."""
+    from clbench.method_table import main as table
+    from conftest import TINY
+
+    readme = tmp_path / "README.md"
+    blocks = [f"<!-- method-table: {s} -->\nold\n<!-- /method-table -->" for s in ("5 tasks", "3 tasks")]
+    readme.write_text("intro\n" + "\nbetween\n".join(blocks) + "\nend\n")
+    table(["--readme", str(readme), "--methods", "finetune", "--set", *[o for o in TINY if "num_tasks" not in o]])
+    text = readme.read_text()
+    assert text.startswith("intro\n") and "\nbetween\n" in text and text.endswith("end\n") and "old" not in text
+    rows = [line for line in text.splitlines() if line.startswith("| finetune |")]
+    assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows) and "Measured by `make table`" in text

@@ -1,0 +1,107 @@
+"""`make table` / `python -m clbench.method_table`: the README's method tables, measured, not typed.
+
+Every method (conf/method/*.yaml) runs its default config on the embedded default as a user runs it (`clbench
+method=M`, seed 0, W&B off), once on the 5 digit tasks and once with `data.num_tasks=3` (the acceptance command);
+each row is read from the run's results.json (TIL and CIL final accuracy and forgetting) and the command's wall time.
+The tables replace what stands between the README's markers ``<!-- method-table: 5 tasks -->`` and
+``<!-- /method-table -->`` (and the same for 3 tasks), with the machine and the date below them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from clbench.cli import config_dir
+from clbench.files import write_atomic
+
+# The README's order (reference points, the mask methods, the prompt methods, then anything new alphabetically).
+ORDER = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "dualprompt", "coda_prompt")
+SETTINGS = {"5 tasks": (), "3 tasks": ("data.num_tasks=3",)}
+COLUMNS = ("TIL final", "TIL forgetting", "CIL final", "CIL forgetting", "seconds")
+
+
+def method_names() -> list[str]:
+    """Every method config clbench ships, in the README's order."""
+    names = {p.stem for p in (config_dir() / "method").glob("*.yaml")}
+    return [m for m in ORDER if m in names] + sorted(names - set(ORDER))
+
+
+def measure(method: str, overrides: tuple[str, ...], folder: Path) -> dict[str, Any]:
+    """One `clbench method=...` run in its own process: its metrics and wall time (or why it failed)."""
+    command = [sys.executable, "-m", "clbench", f"method={method}", *overrides, "logger.mode=disabled"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    start = time.perf_counter()
+    done = subprocess.run([*command, f"hydra.run.dir={folder}"], capture_output=True, text=True, env=env)  # noqa: PLW1510
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        return {"method": method, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    metrics = json.loads((folder / "results.json").read_text())["metrics"]
+    values = (metrics["til"]["final_acc"], metrics["til"]["forgetting"], metrics["cil"]["final_acc"])
+    return {"method": method, "values": (*values, metrics["cil"]["forgetting"], seconds)}
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The rows as a Markdown table (one decimal; seconds whole)."""
+    lines = ["| method | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"| {row['method']} | failed: {row['error']} |" + " |" * (len(COLUMNS) - 1))
+            continue
+        *accuracy, seconds = row["values"]
+        cells = ["-" if v is None else f"{v:.1f}" for v in accuracy] + [f"{seconds:.0f}"]
+        lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def replace_table(text: str, setting: str, table: str, stamp: str) -> str:
+    """``text`` with the block between the setting's markers replaced by ``table`` and ``stamp``; an error where the
+    markers are missing."""
+    pattern = re.compile(rf"(<!-- method-table: {re.escape(setting)} -->\n).*?(\n<!-- /method-table -->)", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"clbench-table: no `<!-- method-table: {setting} -->` ... `<!-- /method-table -->` block")
+    return pattern.sub(lambda m: m.group(1) + table + "\n\n" + stamp + m.group(2), text, count=1)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="clbench-table", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--readme", type=Path, default=Path("README.md"), help="the file whose tables are rewritten")
+    parser.add_argument("--methods", nargs="+", default=None, help="only these methods (default: every one shipped)")
+    parser.add_argument("--set", nargs="*", default=[], help="overrides added to every run (e.g. for a quick check)")
+    args = parser.parse_args(argv)
+    methods = args.methods or method_names()
+    text = args.readme.read_text()
+    stamp = f"Measured by `make table` on {datetime.date.today()} ({machine()}, Python {platform.python_version()})."
+    with tempfile.TemporaryDirectory(prefix="clbench-table-") as tmp:
+        for setting, overrides in SETTINGS.items():
+            rows = []
+            for method in methods:
+                row = measure(method, (*overrides, *args.set), Path(tmp) / setting.replace(" ", "_") / method)
+                print(f"{setting} {method}: {row.get('values', row.get('error'))}", file=sys.stderr)
+                rows.append(row)
+            text = replace_table(text, setting, markdown(rows), stamp)
+    write_atomic(args.readme, text)
+    print(f"written: the method tables of {args.readme}", file=sys.stderr)
+
+
+def machine() -> str:
+    """Where the runs ran: the GPU they use by default, or the CPU's core count."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"CPU, {len(os.sched_getaffinity(0))} cores, torch {torch.__version__}"
+
+
+if __name__ == "__main__":
+    main()
