@@ -162,6 +162,7 @@ class PhaseRun:
         """The epoch's batches (from a checkpoint's batch and order when ``resume`` is set); returns (global step,
         images seen)."""
         cfg, rt, task, hooks = self.rt.cfg.trainer, self.rt, self.task, self.hooks
+        self.method.before_epoch(task, len(self.split), cfg.batch_size)
         order = resume.order if resume is not None and resume.order is not None else self.split.permutation()
         first_batch, started = resume.batch if resume is not None else 0, time.time()
         epoch_loss = torch.zeros((), device=rt.device)

@@ -1,9 +1,10 @@
 """The method contract: what the one training loop calls, in order, for every task.
 
 For each task the loop calls ``before_task`` -> for each of ``phases``: ``before_phase``, an optimizer over
-``param_groups``, steps of ``before_step`` / ``training_loss`` / backward / ``after_backward`` / optimizer
-step / ``after_step`` -> ``after_task``; then it evaluates with ``predict``. A method owns its parameters, heads
-and masks; the loop owns devices, precision, optimizers, schedules, evaluation and logging.
+``param_groups``, for each epoch ``before_epoch`` and steps of ``before_step`` / ``training_loss`` / backward /
+``after_backward`` / optimizer step / ``after_step`` -> ``after_task``; then it evaluates with ``predict``. A method
+owns its parameters, heads and masks; the loop owns devices, precision, optimizers, schedules, evaluation and
+logging.
 
 Heads: one Linear per task (``heads[t]`` over task ``t``'s classes). Concatenated they form the growing
 class-incremental head, so a task-incremental prediction is the task's own head and a class-incremental
@@ -96,6 +97,10 @@ class Method(nn.Module):
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
         """Optimizer groups; a group may carry its own ``lr`` and ``weight_decay``."""
         raise NotImplementedError
+
+    def before_epoch(self, task: Task, samples: int, batch_size: int) -> None:
+        """Called before each epoch (also one resumed part-way) with its number of training samples and the batch
+        size (HAT's official annealing counts samples, not batches)."""
 
     def before_step(self, task: Task, batch: int, num_batches: int) -> None:
         """Called before each training step with the batch's index within its epoch (HAT's annealing). It runs

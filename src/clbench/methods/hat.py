@@ -2,7 +2,9 @@
 
 Every gated unit u of task t has a gate a_u = sigmoid(s * e_u^t) over a learned task embedding e^t (init
 N(0, 1)) that multiplies the unit's output. While training, s is annealed batch by batch within each
-epoch from 1/s_max to s_max (Eq. 3); evaluation and mask extraction use s = s_max. After task t the
+epoch from 1/s_max to s_max (Eq. 3; ``anneal=code``: the official code's (s_max - 1/s_max) i / N + 1/s_max with i the
+batch's first sample of the epoch's N, which never reaches s_max: a lock-step check found it the one difference from the
+official code); evaluation and mask extraction use s = s_max. After task t the
 cumulative gates become a^{<=t} = max(a^t, a^{<t}).
 
 Training task t > 0:
@@ -39,7 +41,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from clbench.config import require
+from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.methods.base import Logs, Method, Phase
 
@@ -53,6 +55,7 @@ class HATConfig:
     thres_cosh: float = 50.0  # clamp of |s e| in the gradient compensation (official code)
     thres_emb: float = 6.0  # clamp of the embeddings after each step (official code)
     units: list[str] = field(default_factory=lambda: ["mlp", "qkv"])  # gated units per block
+    anneal: str = "paper"  # paper: Eq. 3, s_max at an epoch's last batch | code: the official, by sample index
 
     def __post_init__(self) -> None:
         require(self.s_max >= 1, "method.s_max", self.s_max, "a float >= 1")
@@ -63,6 +66,7 @@ class HATConfig:
         require(
             ok, "method.units", self.units, "a non-empty subset of mlp, qkv, heads (qkv and heads exclude each other)"
         )
+        require_choice("method.anneal", self.anneal, ("paper", "code"))
 
 
 def annealed_s(batch: int, num_batches: int, s_max: float) -> float:
@@ -71,6 +75,13 @@ def annealed_s(batch: int, num_batches: int, s_max: float) -> float:
     if num_batches == 1:
         return s_max
     return 1 / s_max + (s_max - 1 / s_max) * batch / (num_batches - 1)
+
+
+def code_annealed_s(first: int, samples: int, s_max: float) -> float:
+    """The official code's s for the batch whose first sample is ``first`` of the epoch's ``samples``
+    (joansj/hat, approaches/hat.py ``train_epoch``): (s_max - 1/s_max) first / samples + 1/s_max, which never reaches
+    s_max in training."""
+    return (s_max - 1 / s_max) * first / samples + 1 / s_max
 
 
 def compensation(e: torch.Tensor, s: float | torch.Tensor, s_max: float, thres_cosh: float) -> torch.Tensor:
@@ -131,6 +142,7 @@ class HAT(Method):
         # The annealed s of the current step: a device tensor written in place by before_step, so that a compiled or
         # CUDA-graph step reads the new value every step (a Python float would be baked into the graph).
         self.register_buffer("s", torch.tensor(config.s_max, device=device), persistent=False)
+        self.epoch: tuple[int, int] | None = None  # (training samples, batch size) of the epoch in progress
         self._multipliers: list[torch.Tensor] = []  # per protected parameter, fixed during a task
         self._before: list[torch.Tensor] = []
 
@@ -213,8 +225,15 @@ class HAT(Method):
             {"params": backbone},
         ]
 
+    def before_epoch(self, task: Task, samples: int, batch_size: int) -> None:
+        self.epoch = (samples, batch_size)
+
     def before_step(self, task: Task, batch: int, num_batches: int) -> None:
-        self.s.fill_(annealed_s(batch, num_batches, self.config.s_max))
+        if self.config.anneal == "paper":
+            self.s.fill_(annealed_s(batch, num_batches, self.config.s_max))
+            return
+        samples, batch_size = self.epoch or (num_batches, 1)  # without an epoch's sizes: batches of equal size
+        self.s.fill_(code_annealed_s(batch * batch_size, samples, self.config.s_max))
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         ce = self.task_loss(self.heads[task.id](self.features(x, task.id)), y, task)

@@ -16,9 +16,11 @@ Options where the paper and its two official codes differ:
 - ``diversify=none`` (paper for CIFAR-100); ``frequency`` (paper Eq. 4, training only): the top-N keys by
   (1 - cos(q, k)) * h, h the normalised selection counts of the previous tasks; ``task_slots`` (the codes'
   prompt mask): task t trains prompts t*N .. t*N+N-1, initialised from the previous task's slot
-  (``shared_prompt_pool``).
-- ``batchwise_prompt=true`` (both codes): every sample of a batch uses the batch's N most-selected prompts,
-  at train and test, so a prediction depends on its batch. Off by default; recorded in results.json.
+  (``shared_prompt_pool``); its keys are not copied (``shared_prompt_key=false``, the official configs; true copies
+  them too, clbench's behaviour before).
+- ``batchwise_prompt=true`` (both codes): every sample of a batch uses the batch's N most-selected prompts (ties
+  to the smaller prompt index, as the JAX code's sorted unique + top_k; the PyTorch code's torch.topk leaves ties
+  unordered), at train and test, so a prediction depends on its batch. Off by default; recorded in results.json.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class L2PConfig:
     )
     diversify: str = "none"  # none | frequency (paper Eq. 4) | task_slots (the codes' prompt mask)
     shared_prompt_pool: bool = True  # task_slots only: a task's slot starts from the previous task's prompts
+    shared_prompt_key: bool = False  # task_slots only: ... and keys (official: false, shared_prompt_key=False)
     batchwise_prompt: bool = False  # the codes' per-batch majority vote (predictions depend on the batch)
     prompt_init: str = "uniform"  # uniform: U(-1, 1) (PyTorch code) | small: U(0, 0.01) (JAX code)
 
@@ -117,4 +120,5 @@ class L2P(PromptMethod):
         n = self.config.top_n
         if self.config.diversify == "task_slots" and self.config.shared_prompt_pool and task.id > 0:
             self.prompts[task.id * n : (task.id + 1) * n] = self.prompts[(task.id - 1) * n : task.id * n]
-            self.keys[task.id * n : (task.id + 1) * n] = self.keys[(task.id - 1) * n : task.id * n]
+            if self.config.shared_prompt_key:
+                self.keys[task.id * n : (task.id + 1) * n] = self.keys[(task.id - 1) * n : task.id * n]

@@ -14,9 +14,12 @@ official code); evaluation and the stored mask use the argmax, without noise
 (Eq. 7). ``init=uniform`` draws both logits from U(-gamma, gamma) (the paper); ``init=keep`` sets
 (gamma, -gamma), so every mask starts as "keep" (the official code).
 
-Loss (Eqs. 9-10): CE + ``alpha`` * mean over the token-masked layers of (``lam`` - mean_i m_i)^2; FFN masks are
-not in the drop-control term. Learning rates (paper): head 5e-4 and masks 0.1, both times batch / 1024.
-Each task has its own head; the task id selects masks and head (TIL); CIL infers the task by lowest entropy.
+Loss (Eqs. 9-10): CE + ``alpha`` * mean over the token-masked layers of (``lam`` - mean_i m_i)^2; FFN masks are not
+in the drop-control term. Two lock-step differences from the official code are options: its drop-control term sums
+over the layers (``drop_control=sum``: alpha in effect L times larger), and its attention keeps a masked token
+attending to itself (``token_attention=code``); clbench follows the paper's Eq. 5 and 10 by default. Learning rates
+(paper): head 5e-4 and masks 0.1, both times batch / 1024. Each task has its own head; the task id selects masks and
+head (TIL); CIL infers the task by lowest entropy.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from clbench.backbones.refiner import RefinerAttention
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
@@ -47,6 +51,10 @@ class MEATConfig:
     token_mask_layers: list[int] | None = None  # blocks with token masks; null: all (paper); [3, 6, 9]: code
     mask_lr: float | None = 0.1  # learning rate of all mask logits (paper: 0.1 x batch / 1024)
     layers: list[str] = field(default_factory=lambda: ["mlp.fc1", "mlp.fc2"])  # FFN-masked Linears
+    # paper: a masked token is no key for any query (Eq. 5) | code: it still attends to itself (the official
+    # softmax_with_policy, DynamicViT's: eps 1e-6, an explicit attention map, unfused)
+    token_attention: str = "paper"
+    drop_control: str = "mean"  # mean over the token-masked layers (paper Eq. 10) | sum (the official MaskKeepLoss)
 
     def __post_init__(self) -> None:
         require(self.gamma > 0, "method.gamma", self.gamma, "a float > 0")
@@ -58,6 +66,8 @@ class MEATConfig:
         ok = layers is None or (len(layers) > 0 and all(isinstance(i, int) and i >= 0 for i in layers))
         require(ok, "method.token_mask_layers", layers, "null (all blocks) or a non-empty list of block indices")
         require(self.mask_lr is None or self.mask_lr > 0, "method.mask_lr", self.mask_lr, "null or a float > 0")
+        require_choice("method.token_attention", self.token_attention, ("paper", "code"))
+        require_choice("method.drop_control", self.drop_control, ("mean", "sum"))
 
 
 def hard_gumbel_keep(logits: torch.Tensor, tau: float) -> torch.Tensor:
@@ -70,9 +80,11 @@ def hard_gumbel_keep(logits: torch.Tensor, tau: float) -> torch.Tensor:
     return hard - soft.detach() + soft  # exactly 0 or 1 forward (1 - s is exact for s >= 0.5)
 
 
-def drop_control_loss(keep: list[torch.Tensor], lam: float) -> torch.Tensor:
-    """Eq. 10: mean over layers of (lam - fraction of kept tokens)^2."""
-    return torch.stack([(lam - m.float().mean()) ** 2 for m in keep]).mean()
+def drop_control_loss(keep: list[torch.Tensor], lam: float, reduction: str = "mean") -> torch.Tensor:
+    """Eq. 10: mean over layers of (lam - fraction of kept tokens)^2 (``reduction="sum"``: the official code's sum,
+    which weighs the term by the number of token-masked layers)."""
+    terms = torch.stack([(lam - m.float().mean()) ** 2 for m in keep])
+    return terms.sum() if reduction == "sum" else terms.mean()
 
 
 class MEAT(ScoredMaskMethod):
@@ -89,9 +101,15 @@ class MEAT(ScoredMaskMethod):
             )
         self.num_tokens = backbone.patch_embed.num_patches
         self.attentions: dict[int, KeyMaskedAttention] = {}
+        if config.token_attention == "code" and any(isinstance(b.attn, RefinerAttention) for b in backbone.blocks):
+            raise ConfigError(
+                "Invalid value for `method.token_attention`: code. Allowed: paper with Refiner attention (it masks its "
+                "own attention maps the paper's way)."
+            )
         for i in chosen:
             block = backbone.blocks[i]
-            block.attn = self.attentions[i] = KeyMaskedAttention(block.attn, backbone.num_prefix_tokens)
+            self_kept = config.token_attention == "code"
+            block.attn = self.attentions[i] = KeyMaskedAttention(block.attn, backbone.num_prefix_tokens, self_kept)
 
     # ----------------------------------------------------------------------------- mask logits
     def init_logits(self, *shape: int) -> torch.Tensor:
@@ -165,7 +183,7 @@ class MEAT(ScoredMaskMethod):
             return ce, {}
         # L_dc over the whole batch's masks: the same term on every rank of a multi-process run, so the averaged
         # gradient equals one process's exactly (a mean over a rank's share would not, L_dc being a square).
-        dc = drop_control_loss(list(masks.values()), self.config.lam)
+        dc = drop_control_loss(list(masks.values()), self.config.lam, self.config.drop_control)
         kept = torch.stack([m.detach().float().mean() for m in masks.values()]).mean()
         return ce + self.config.alpha * dc, {"drop_control": dc.detach(), "token_keep_ratio": kept}
 

@@ -60,9 +60,9 @@ def top_k_by_key(similarity: torch.Tensor, k: int, batchwise: bool) -> torch.Ten
     """Indices (B, k) of each sample's k most similar keys; ``batchwise``: the official codes' majority vote, every
     sample of the batch takes the batch's k most chosen keys (a prediction then depends on its batch)."""
     chosen = similarity.topk(k, dim=1).indices
-    if batchwise:
+    if batchwise:  # ties go to the smaller index, as the JAX code's sorted jnp.unique + lax.top_k
         votes = count_selections(chosen, similarity.shape[1])
-        chosen = votes.topk(k).indices.expand(len(similarity), k)
+        chosen = votes.sort(descending=True, stable=True).indices[:k].expand(len(similarity), k)
     return chosen
 
 

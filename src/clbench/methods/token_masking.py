@@ -62,14 +62,32 @@ def key_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep
     return out[..., :d] / out[..., d : d + 1]
 
 
+POLICY_EPS = 1e-6  # the official softmax_with_policy's eps
+
+
+def policy_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """MEAT's official attention (zju-vipa/MEAT-TIL ``AttentionAll.softmax_with_policy``, DynamicViT's): key j weighs
+    keep_j, and 1 where j is the query itself (a masked token still attends to itself); exp(A - max A) times that
+    policy, then (w + eps/N) / (sum w + eps), in fp32, on an explicit (B, H, N, N) map."""
+    n = keep.shape[-1]
+    m = keep.to(torch.float32).view(-1, 1, 1, n)
+    policy = m + (1 - m) * torch.eye(n, device=q.device)
+    logits = (q.float() @ k.float().transpose(-2, -1)) * q.shape[-1] ** -0.5
+    w = (logits - logits.amax(-1, keepdim=True)).exp() * policy
+    w = (w + POLICY_EPS / n) / (w.sum(-1, keepdim=True) + POLICY_EPS)
+    return (w @ v.float()).to(v.dtype)
+
+
 class KeyMaskedAttention(nn.Module):
     """Wraps a timm ``Attention``: with ``keep`` set (a mask over the patch tokens), the forward pass masks those
-    keys; without it, the wrapped module runs unchanged. Parameters stay the wrapped module's."""
+    keys (``self_kept``: a masked token still attends to itself, the official code's variant); without it, the wrapped
+    module runs unchanged. Parameters stay the wrapped module's."""
 
-    def __init__(self, attn: nn.Module, num_prefix_tokens: int) -> None:
+    def __init__(self, attn: nn.Module, num_prefix_tokens: int, self_kept: bool = False) -> None:
         super().__init__()
         self.attn = attn
         self.num_prefix_tokens = num_prefix_tokens
+        self.self_kept = self_kept
         self.keep: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
@@ -81,4 +99,5 @@ class KeyMaskedAttention(nn.Module):
         if isinstance(self.attn, RefinerAttention):  # it masks its own explicit attention maps
             return self.attn(x, keep=keep)
         q, k, v, gate = head_split(self.attn, x)
-        return head_merge(self.attn, key_masked_attention(q, k, v, keep), gate)
+        attend = policy_attention if self.self_kept else key_masked_attention
+        return head_merge(self.attn, attend(q, k, v, keep), gate)
