@@ -230,3 +230,23 @@ def test_synthetic_cifar100_has_cifar100s_shapes_and_counts() -> None:
     bench = build_benchmark(cfg)
     assert len(bench.tasks) == 10 and all(t.num_classes == 10 for t in bench.tasks)
     assert bench.train[0].x.shape == (50, 3, 32, 32) and sum(len(s) for s in bench.test) == 100 * 100
+
+
+def test_permuted_tasks_hold_every_class_under_their_own_fixed_pixel_permutation() -> None:
+    """data=permuted_digits: task t is every digit with its pixels shuffled by RandomState(seed + t).permutation(64),
+    labels t * 10 + digit; the same images, a different permutation per task."""
+    cfg = validate(compose_config("data=permuted_digits", "data.num_tasks=3")).data
+    plain = build_benchmark(validate(compose_config("data=digits_5tasks", "data.class_order_seed=null")).data)
+    images = torch.cat([s.x for s in plain.test])
+    labels = torch.cat([s.y for s in plain.test])
+    order = labels.argsort(stable=True)
+    permuted = build_benchmark(cfg)
+    assert [t.offset for t in permuted.tasks] == [0, 10, 20] and [len(t.classes) for t in permuted.tasks] == [10] * 3
+    for t, split in enumerate(permuted.test):
+        perm = np.random.RandomState(t).permutation(64)
+        expected = images[order].flatten(2)[:, :, perm].reshape(images.shape)
+        got = split.x[(split.y - 10 * t).argsort(stable=True)]
+        assert torch.equal(got, expected) and set((split.y - 10 * t).tolist()) == set(range(10))
+    assert not torch.equal(permuted.test[0].x, permuted.test[1].x)
+    with pytest.raises(ConfigError, match="data.tasks_by"):
+        validate(compose_config("data=permuted_digits", "data.store=stream"))

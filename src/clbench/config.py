@@ -52,6 +52,10 @@ class DataConfig:
     verify_checksums: bool = True  # false accepts a copy made by hand
     num_tasks: int | None = None  # train and evaluate only the first N tasks
     class_order_seed: int | None = 1993  # iCaRL/PyCIL convention; null keeps the natural order
+    # classes: the source's classes cut into `tasks` tasks | pixel_permutations: every task holds all of the source's
+    # classes, each task's images under its own fixed pixel permutation (PermutedMNIST), seeded by permutation_seed
+    tasks_by: str = "classes"
+    permutation_seed: int = 0
     # Image folders and sequences of datasets (one task per dataset, in the listed order).
     folder: str | None = None  # source=image_folder: the folder under root
     datasets: list[str] = field(default_factory=list)  # source=sequence: built-in source names or folders under root
@@ -87,6 +91,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         require_choice("data.source", self.source, (*SOURCES, "sequence"))
+        require_choice("data.tasks_by", self.tasks_by, ("classes", "pixel_permutations"))
+        if self.tasks_by == "pixel_permutations":
+            require(
+                self.source != "sequence" and self.store == "device",
+                "data.tasks_by",
+                self.tasks_by,
+                "classes with source=sequence or data.store=stream|auto (permutations apply to images held in memory)",
+            )
         require(self.tasks >= 1, "data.tasks", self.tasks, "an integer >= 1")
         if self.source == "image_folder":
             require(bool(self.folder), "data.folder", self.folder, "the image folder's name under data.root")
@@ -99,7 +111,7 @@ class DataConfig:
             )
         require(0 < self.test_fraction < 1, "data.test_fraction", self.test_fraction, "a float in (0, 1)")
         require(0 <= self.val_fraction < 1, "data.val_fraction", self.val_fraction, "a float in [0, 1)")
-        for key in ("class_order_seed", "split_seed", "val_seed"):
+        for key in ("class_order_seed", "split_seed", "val_seed", "permutation_seed"):
             value = getattr(self, key)
             ok = value is None if key == "class_order_seed" and value is None else 0 <= value < 2**32
             require(

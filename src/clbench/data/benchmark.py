@@ -219,6 +219,28 @@ def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
     return Benchmark(cfg.name, tasks, train, test, [source.split] if source.split else [])
 
 
+def permuted_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
+    """``data.tasks_by=pixel_permutations`` (PermutedMNIST, as SupSup's GN experiments): task t holds every class of
+    the source, its images' pixels shuffled by task t's own fixed permutation, drawn by
+    np.random.RandomState(permutation_seed + t).permutation(H * W) (the same for every channel), and its labels
+    t * classes + class (task-incremental heads of the source's classes)."""
+    classes = len(source.class_names)
+    h, w = source.train_x.shape[-2:]
+    tasks, train, test = [], [], []
+    for t in range(cfg.num_tasks or cfg.tasks):
+        perm = torch.from_numpy(np.random.RandomState(cfg.permutation_seed + t).permutation(h * w))
+
+        def shuffled(x: torch.Tensor, perm: torch.Tensor = perm) -> torch.Tensor:
+            return x.flatten(2)[:, :, perm].reshape(x.shape).contiguous()
+
+        names = tuple(f"permutation {t}/{name}" for name in source.class_names)
+        tasks.append(Task(t, tuple(range(classes)), names, t * classes))
+        train.append(Split(shuffled(source.train_x), source.train_y + t * classes))
+        test.append(Split(shuffled(source.test_x), source.test_y + t * classes))
+    record = {"pixel_permutations": {"seed": cfg.permutation_seed, "tasks": len(tasks), "pixels": h * w}}
+    return Benchmark(cfg.name, tasks, train, test, [*([source.split] if source.split else []), record])
+
+
 CPU = torch.device("cpu")
 HOLD_CHUNK = 4096  # images copied at a time from the cache to the device (store=auto)
 Load = Callable[[str, int | None], SourceData]  # (source name, RGB size or None) -> its data, as the store wants it
@@ -257,6 +279,8 @@ def build_benchmark(
 
     if cfg.source == "sequence":
         benchmark = sequence_of_datasets(cfg, load)
+    elif cfg.tasks_by == "pixel_permutations":
+        benchmark = permuted_tasks(load(cfg.folder if cfg.source == "image_folder" else cfg.source, None), cfg)
     else:
         benchmark = split_into_tasks(load(cfg.folder if cfg.source == "image_folder" else cfg.source, None), cfg)
     if cfg.store == "auto":
