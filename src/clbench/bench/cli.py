@@ -199,7 +199,7 @@ def run_entries(args: argparse.Namespace) -> None:
         data = "-" if r["data_ms"] is None else f"{100 * r['data_ms'] / r['step_ms']:.1f}"
         speed = (f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", data, f"{r['gflops_per_step']:.2f}")
         table.add_row(r["name"], *speed, f"{r['peak_mem_mb']:.0f}", mfu, ratio)
-    console.print(table)
+    console.print(table, width=max(console.width, 140))  # a SLURM log or a pipe gets every column
     console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
     console.print("targets: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
     if any("error" in r for r in results):
