@@ -248,5 +248,5 @@ def test_permuted_tasks_hold_every_class_under_their_own_fixed_pixel_permutation
         got = split.x[(split.y - 10 * t).argsort(stable=True)]
         assert torch.equal(got, expected) and set((split.y - 10 * t).tolist()) == set(range(10))
     assert not torch.equal(permuted.test[0].x, permuted.test[1].x)
-    with pytest.raises(ConfigError, match="data.tasks_by"):
+    with pytest.raises(ConfigError, match=r"data\.tasks_by"):
         validate(compose_config("data=permuted_digits", "data.store=stream"))
