@@ -307,3 +307,16 @@ def test_the_imagenet_r_prompt_presets_read_the_wnid_folders_in_sorted_order_and
     assert [name for task in rt.benchmark.tasks for name in task.class_names] == wnids
     assert torch.isfinite(first_step(method, rt))
     assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, 224, 224)
+
+
+def test_every_paper_preset_is_found_by_its_method_name() -> None:
+    """The header names a method by its config's file (coda_prompt, not the class's codaprompt): each preset file
+    conf/experiment/<method>_*paper*.yaml is announced to the runs of that method."""
+    from clbench.cli import config_dir
+    from clbench.loop.runtime import paper_presets
+
+    files = sorted(p.stem for p in (config_dir() / "experiment").glob("*paper*.yaml"))
+    found = []
+    for method in sorted(p.stem for p in (config_dir() / "method").glob("*.yaml")):
+        found += paper_presets(validate(compose_config(f"method={method}")))
+    assert sorted(found) == files

@@ -61,9 +61,18 @@ def setting_hash(config: Mapping[str, Any], length: int = 8) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
 
+def method_name(target: str) -> str:
+    """A method's name from its ``_target_``: its module's, as its config's (conf/method/<name>.yaml).
+
+    ``clbench.methods.coda_prompt.CODAPrompt`` -> ``coda_prompt``; a bare class name lower-cased.
+    """
+    module, _, cls = target.rpartition(".")
+    return module.rpartition(".")[2] or cls.lower()
+
+
 def setting_name(config: Mapping[str, Any]) -> str:
     """A readable name for a setting: ``<method>-<benchmark>-<backbone>-<hash>``, e.g. W&B's group."""
-    method = str(config.get("method", {}).get("_target_", "method")).rsplit(".", 1)[-1].lower()
+    method = method_name(str(config.get("method", {}).get("_target_", "method")))
     data = config.get("data", {}).get("name", "data")
     backbone = config.get("backbone", {}).get("name", "backbone")
     return f"{method}-{data}-{backbone}-{setting_hash(config)}"

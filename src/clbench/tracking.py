@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save as save_safetensors
 
-from clbench.comparable import setting_name
+from clbench.comparable import method_name, setting_name
 from clbench.config import LoggerConfig
 from clbench.evaluation import SCENARIOS
 from clbench.files import write_atomic
@@ -214,7 +214,7 @@ class WandbTracker:
         import wandb
 
         self._wandb = wandb
-        method = config["method"]["_target_"].rsplit(".", 1)[-1].lower()
+        method = method_name(config["method"]["_target_"])
         tags = [f"method:{method}", f"benchmark:{config['data']['name']}", f"backbone:{config['backbone']['name']}"]
         options = dict(
             project=cfg.project,

@@ -27,6 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from clbench import __version__, checkpoint, distributed
 from clbench.backbones import sha256, weights_file
 from clbench.checkpoint import Cursor, Position
+from clbench.comparable import method_name
 from clbench.config import RunConfig, as_dict, full_config
 from clbench.data import Task
 from clbench.errors import Preempted
@@ -215,7 +216,7 @@ def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
 def header(cfg: RunConfig) -> dict[str, Any]:
     return {
         "clbench_version": __version__,
-        "method": cfg.method_target.rsplit(".", 1)[-1].lower(),
+        "method": method_name(cfg.method_target),
         "backbone": cfg.backbone.name,
         "benchmark": cfg.data.name,
         "seed": cfg.seed,

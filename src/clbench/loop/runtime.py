@@ -15,6 +15,7 @@ from timm.data import Mixup
 
 from clbench import distributed
 from clbench.backbones import build_backbone, input_stats
+from clbench.comparable import method_name
 from clbench.config import RunConfig, host_drawn_augmentation
 from clbench.data import Benchmark, DeviceTransform, Task, build_benchmark
 from clbench.distributed import Ranks
@@ -199,5 +200,5 @@ def paper_presets(cfg: RunConfig) -> list[str]:
     """The ``experiment=`` presets of the run's method (conf/experiment/<method>_*.yaml)."""
     from clbench.cli import config_dir
 
-    method = cfg.method_target.rsplit(".", 1)[-1].lower()
+    method = method_name(cfg.method_target)
     return sorted(p.stem for p in (config_dir() / "experiment").glob(f"{method}_*paper*.yaml"))

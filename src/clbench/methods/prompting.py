@@ -24,6 +24,7 @@ from timm.models.vision_transformer import Attention, VisionTransformer
 from torch import nn
 
 from clbench import distributed
+from clbench.comparable import method_name
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.attention import head_merge, head_split, split_heads
@@ -229,7 +230,7 @@ class PromptMethod(Method):
         seen = self.num_seen
         test = distributed.current().sum_(self.test_counts[:seen].clone()).tolist()
         histogram = {"train": self.train_counts[:seen].tolist(), "test": test}
-        name = type(self).__name__.lower()
+        name = method_name(f"{type(self).__module__}.{type(self).__name__}")
         return {name: {"batchwise_prompt": self.config.batchwise_prompt, "prompt_histogram": histogram}}
 
     def artifacts(self) -> dict[str, torch.Tensor]:
