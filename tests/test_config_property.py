@@ -26,6 +26,8 @@ METHOD_KEYS = {
     "l2p": ["pool_size", "top_n", "prompt_length", "pull", "layout", "diversify", "batchwise_prompt"],
     "dualprompt": ["g_length", "e_length", "top_k", "pull", "prefix", "shared_prompt_pool", "batchwise_prompt"],
     "coda_prompt": ["pool_size", "length", "layers", "ortho_mu", "init"],
+    "ksm": ["temperature", "alpha", "init", "group", "mask_lr"],
+    "tfm": ["growth", "reuse"],
 }
 COMMON_KEYS = [
     "trainer.epochs",

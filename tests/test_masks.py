@@ -8,6 +8,7 @@ import torch
 from clbench.errors import ConfigError
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
+from clbench.methods.ksm import KSM
 from clbench.methods.masking import (
     MaskedConv2d,
     MaskedLayer,
@@ -18,6 +19,7 @@ from clbench.methods.masking import (
     unpack_bits,
     wrap_layers,
 )
+from clbench.methods.tfm import TFM
 from conftest import tiny_config
 
 
@@ -135,6 +137,10 @@ def test_piggyback_starts_from_the_full_network() -> None:
         ("method=supsup", "trainer.lr=1e-2", "method.layers=[patch_embed.proj,mlp.fc1]"),
         ("method=packnet", "method.retrain_epochs=1", "method.layers=[patch_embed.proj,attn.qkv]"),
         ("method=meat", "trainer.lr_scale_batch=null", "trainer.warmup_epochs=0", "trainer.batch_size=16"),
+        ("method=ksm", "trainer.lr=1e-1"),
+        ("method=ksm", "trainer.lr=1e-1", "method.group=4", "method.layers=[patch_embed.proj,mlp.fc1]"),
+        ("method=tfm", "trainer.lr=1e-2"),
+        ("method=tfm", "trainer.lr=1e-2", "method.reuse=own", "trainer.optimizer=adamw", "trainer.weight_decay=0.1"),
     ],
     ids=[
         "packnet-sgd",
@@ -145,6 +151,10 @@ def test_piggyback_starts_from_the_full_network() -> None:
         "supsup-conv",
         "packnet-conv",
         "meat",
+        "ksm",
+        "ksm-grouped-conv",
+        "tfm",
+        "tfm-own-adamw-wd",
     ],
 )
 def test_old_tasks_are_bit_identical_after_later_tasks(overrides: tuple[str, ...]) -> None:
@@ -161,12 +171,19 @@ def test_old_tasks_are_bit_identical_after_later_tasks(overrides: tuple[str, ...
         logits.append(method.predict(inputs[task.id], task.id))
         for old in range(task.id):
             assert torch.equal(method.predict(inputs[old], old), logits[old]), f"task {old} moved after task {task.id}"
-        if "packnet" not in overrides[0]:  # Piggyback and SupSup never change the backbone
-            assert all(torch.equal(frozen[k], v) for k, v in method.backbone.state_dict().items())
+        if "packnet" not in overrides[0]:  # the others never change the backbone's own tensors (TFM adds its own)
+            state = method.backbone.state_dict()
+            assert all(torch.equal(v, state[k]) for k, v in frozen.items())
     storage = method.storage()
     assert len(storage["bits_per_task"]) == len(tasks)
     if "packnet" in overrides[0]:
         assert storage["shared_bits"]["owner_index"] == 2 * method.masked_weights()  # ids 0..3 need 2 bits
+    elif isinstance(method, KSM):  # one float16 value a kernel
+        kernels = sum(m.numel() for name in method.layers if (m := method.kernel_mask(name, 0)) is not None)
+        assert all(entry["masks"] == 16 * kernels for entry in storage["bits_per_task"])
+    elif isinstance(method, TFM):  # two bits a unit that exists when the task is learned
+        units = [4 * 32 + (t + 1) * method.units[0] for t in range(len(tasks))]
+        assert [entry["masks"] for entry in storage["bits_per_task"]] == [2 * u for u in units]
     else:
         key = "ffn_masks" if "meat" in overrides[0] else "masks"
         assert all(entry[key] == method.masked_weights() for entry in storage["bits_per_task"])

@@ -26,7 +26,20 @@ from clbench.cli import config_dir
 from clbench.files import write_atomic
 
 # The README's order (reference points, the mask methods, the prompt methods, then anything new alphabetically).
-ORDER = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "dualprompt", "coda_prompt")
+ORDER = (
+    "finetune",
+    "joint",
+    "packnet",
+    "piggyback",
+    "supsup",
+    "hat",
+    "meat",
+    "l2p",
+    "dualprompt",
+    "coda_prompt",
+    "ksm",
+    "tfm",
+)
 SETTINGS = {"5 tasks": (), "3 tasks": ("data.num_tasks=3",)}
 COLUMNS = ("TIL final", "TIL forgetting", "CIL final", "CIL forgetting", "seconds")
 

@@ -20,7 +20,20 @@ import torch
 
 from clbench.bench.timing import Entry, Waits, compose
 
-METHODS = ("finetune", "joint", "packnet", "piggyback", "supsup", "hat", "meat", "l2p", "dualprompt", "coda_prompt")
+METHODS = (
+    "finetune",
+    "joint",
+    "packnet",
+    "piggyback",
+    "supsup",
+    "hat",
+    "meat",
+    "l2p",
+    "dualprompt",
+    "coda_prompt",
+    "ksm",
+    "tfm",
+)
 PROMPTS = ("l2p", "dualprompt", "coda_prompt")  # held to L2P's step (frozen backbone, a query pass)
 REFERENCES = (
     "reference/timm_train",

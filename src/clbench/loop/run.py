@@ -232,6 +232,9 @@ def start_record(cfg: RunConfig, method: Method, rt: Runtime, results: Results, 
     how the step runs); warns where a frozen-backbone method would learn over random features. Returns the loaded
     weights file."""
     results.header["device"] = str(rt.device)
+    # A method rebuilt from its principle where its paper's equations could not be read (TFM, KSM): never cite its
+    # numbers as the paper's.
+    results.header["reconstructed"] = method.reconstructed
     loaded = weights_file(cfg.backbone, method.backbone)
     results.header["backbone_config"] |= {
         "weights_file": str(loaded) if loaded else None,

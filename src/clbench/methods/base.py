@@ -55,6 +55,8 @@ class Method(nn.Module):
     # tensor written in place (HAT's s) or drawn on the device (MEAT's Gumbel noise), never a Python number or a
     # host-side draw read inside ``training_loss``/``after_backward``/``after_step``.
     graph_safe: ClassVar[bool] = True
+    # Rebuilt from the paper's principle where its equations and code could not be read (results.json says so).
+    reconstructed: ClassVar[bool] = False
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()

@@ -88,18 +88,28 @@ class MaskedMethod(Method):
         out = super().artifacts()
         for t in range(self.num_seen):
             for name in self.layers:
-                mask = self.stored_mask(name, t)
-                if mask is not None:
-                    out[f"mask.{t}.{name}"] = pack_bits(mask)
+                saved = self.saved_mask(name, t)
+                if saved is not None:
+                    out[f"mask.{t}.{name}"] = saved
         return out
+
+    def saved_mask(self, name: str, task_id: int) -> torch.Tensor | None:
+        """Task ``task_id``'s mask of layer ``name`` as the artifacts keep it: packed bits."""
+        mask = self.stored_mask(name, task_id)
+        return None if mask is None else pack_bits(mask)
+
+    def restore_mask(self, name: str, task_id: int, saved: torch.Tensor) -> None:
+        """The inverse of :meth:`saved_mask`."""
+        weight = self.layers[name].weight
+        self.store_mask(name, task_id, unpack_bits(saved.to(weight.device), weight.shape))
 
     def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_artifacts(tensors)
         for t in range(self.num_seen):
-            for name, layer in self.layers.items():
-                packed = tensors.get(f"mask.{t}.{name}")
-                if packed is not None:
-                    self.store_mask(name, t, unpack_bits(packed.to(layer.weight.device), layer.weight.shape))
+            for name in self.layers:
+                saved = tensors.get(f"mask.{t}.{name}")
+                if saved is not None:
+                    self.restore_mask(name, t, saved)
 
 
 class ScoredMaskMethod(MaskedMethod):

@@ -1,0 +1,157 @@
+"""The rest of the mask-based survey (KSM, TFM, APD, CTR) against independent transcriptions of their specs
+(tests/oracles/*_reference.py, written from METHODS.md §9 and the official code without reading clbench's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from clbench.loop.runtime import build_runtime
+from clbench.methods.ksm import KSM, binary_part, soft_mask
+from clbench.methods.tfm import TFM, pack_states, unpack_states
+from conftest import tiny_config
+from oracles import ksm_reference as ksm_ref
+from oracles import tfm_reference as tfm_ref
+
+
+def started(name: str, *overrides: str, tasks: int = 1):
+    """A method on the tiny setting with its first ``tasks`` tasks started (all but the last finished untrained)."""
+    method, rt = build_runtime(tiny_config(f"method={name}", *overrides))
+    for task in rt.benchmark.tasks[:tasks]:
+        if task.id:
+            method.after_task(rt.benchmark.tasks[task.id - 1])
+        method.before_task(task)
+    return method, rt
+
+
+def randomised(params: list[torch.Tensor], seed: int, scale: float = 0.5) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+
+
+# ------------------------------------------------------------------------------------------------------------- KSM
+@pytest.mark.parametrize(("temperature", "alpha", "init"), [(0.1, 1.0, 2.0), (0.5, 0.3, -1.0), (2.0, 0.0, 0.5)])
+def test_ksm_soft_mask_and_its_gradient_are_the_transcribed_ones_without_straight_through(
+    temperature: float, alpha: float, init: float
+) -> None:
+    """Eqs. 4-8 as reconstructed: M = M^b + A^s; the gradient reaching M^r is the hand-derived chain rule (an STE would
+    pass dL/dM unchanged)."""
+    real = (torch.randn(6, 5, dtype=torch.float64) * 2).requires_grad_()
+    mask = soft_mask(real, temperature, alpha, init)
+    torch.testing.assert_close(mask, ksm_ref.soft_mask(real.detach(), temperature, alpha, init), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(binary_part(real, temperature), ksm_ref.binary_part(real.detach(), temperature))
+    upstream = torch.randn(6, 5, dtype=torch.float64)
+    (grad,) = torch.autograd.grad(mask, real, upstream)
+    expected = ksm_ref.mask_grad(real.detach(), upstream, temperature, alpha, init)
+    torch.testing.assert_close(grad, expected, rtol=1e-10, atol=1e-12)
+    assert not torch.allclose(grad, upstream)
+
+
+@pytest.mark.parametrize("group", [1, 4])
+def test_ksm_masks_each_kernel_as_transcribed_and_starts_from_the_backbone(group: int) -> None:
+    """A Linear's mask has one value per (row, g input columns), the patch embedding's one per (c_out, c_in) kernel;
+    at task start (M^r = m0) the masked backbone differs from the frozen one only by M^b(m0)'s distance from 1."""
+    method, rt = started("ksm", f"method.group={group}", "method.layers=[patch_embed.proj,attn.qkv,mlp.fc2]")
+    cfg = method.config
+    x = rt.test_tf(rt.benchmark.test[0].x[:4])
+    with torch.no_grad():
+        plain = method.backbone.forward_head(method.backbone.forward_features(x), pre_logits=True)
+        torch.testing.assert_close(method.features(x, 0), plain, rtol=0, atol=5e-3)
+    randomised(list(method.real.values()), seed=1, scale=2.0)
+    for name, layer in method.layers.items():
+        real = method.real[name.replace(".", "_")].detach()
+        masked = layer.weight * method.mask_for(name, 0)
+        if name == "patch_embed.proj":
+            assert real.shape == layer.weight.shape[:2]
+            expected = ksm_ref.conv_weight(layer.weight, real, cfg.temperature, cfg.alpha, cfg.init)
+        else:
+            assert real.shape == (layer.weight.shape[0], layer.weight.shape[1] // group)
+            expected = ksm_ref.linear_weight(layer.weight, real, group, cfg.temperature, cfg.alpha, cfg.init)
+        torch.testing.assert_close(masked, expected, rtol=1e-6, atol=1e-7)
+
+
+def test_ksm_keeps_a_float16_soft_mask_per_kernel_and_refuses_a_group_that_does_not_divide() -> None:
+    method, rt = started("ksm", "method.group=2")
+    assert isinstance(method, KSM)
+    real = {k: v.detach().clone() for k, v in method.real.items()}
+    method.after_task(rt.benchmark.tasks[0])
+    for name in method.layers:
+        stored = method.kernel_mask(name, 0)
+        assert stored.dtype == torch.float16
+        cfg = method.config
+        expected = ksm_ref.soft_mask(real[name.replace(".", "_")], cfg.temperature, cfg.alpha, cfg.init)
+        assert torch.equal(stored, expected.half())
+    with pytest.raises(ValueError, match="does not divide"):
+        started("ksm", "method.group=5")
+
+
+# ------------------------------------------------------------------------------------------------------------- TFM
+def oracle_params(method: TFM, block: int) -> dict:
+    """The tensors of ``block`` in the oracle's layout."""
+    b = method.backbone.blocks[block]
+    mlp = b.mlp
+    return {
+        "norm1_w": list(b.norm1.weights),
+        "norm1_b": list(b.norm1.biases),
+        "norm2_w": list(b.norm2.weights),
+        "norm2_b": list(b.norm2.biases),
+        "qkv_w": b.attn.qkv.weight,
+        "qkv_b": b.attn.qkv.bias,
+        "proj_w": b.attn.proj.weight,
+        "proj_b": b.attn.proj.bias,
+        "fc1_w": mlp.mlp.fc1.weight,
+        "fc1_b": mlp.mlp.fc1.bias,
+        "fc2_w": mlp.mlp.fc2.weight,
+        "fc2_b": mlp.mlp.fc2.bias,
+        "grown": list(zip(mlp.w1, mlp.b1, mlp.w2, strict=True)),
+    }
+
+
+@pytest.mark.parametrize("reuse", ["all", "own"])
+def test_tfm_block_is_the_transcribed_one_for_every_task(reuse: str) -> None:
+    """Per-task LayerNorms, the pretrained units and the grown units each task's ternary state uses."""
+    method, _ = started("tfm", f"method.reuse={reuse}", "backbone.kwargs.depth=2", tasks=3)
+    randomised([p for t in range(3) for p in (*method.grown(t), *method.affines(t))], seed=2)
+    x = torch.randn(2, 5, method.backbone.embed_dim)
+    for task in range(3):
+        p = oracle_params(method, block=1)
+        if reuse == "own":  # the oracle's states vector: earlier tasks' units unused (state 0)
+            p["states"] = method.states(task, 1)
+        with method.task_path(task), torch.no_grad():
+            out = method.backbone.blocks[1](x)
+        heads = method.backbone.blocks[1].attn.num_heads
+        torch.testing.assert_close(out, tfm_ref.block_forward(x, p, task, heads), rtol=1e-5, atol=1e-5)
+
+
+def test_tfm_states_are_ternary_and_pack_into_two_bits_a_unit() -> None:
+    method, _ = started("tfm", tasks=3)
+    units = method.units[0]
+    pretrained = method.mlps[0].mlp.fc1.out_features
+    for task in range(3):
+        states = method.states(task, 0)
+        assert torch.equal(states, tfm_ref.default_states(pretrained, [units] * 3, task))
+        assert torch.equal(pack_states(states), tfm_ref.pack_states(states))
+        assert torch.equal(unpack_states(pack_states(states), len(states)), states)
+    assert method.storage()["bits_per_task"][2]["masks"] == 2 * (pretrained + 3 * units)
+
+
+def test_tfm_trains_only_its_units_norms_and_head_and_starts_at_the_previous_tasks_function() -> None:
+    """A new task's fc2 columns are zero and its LayerNorms copies of the task before: its features are that task's;
+    what it trains is the oracle's count."""
+    method, rt = started("tfm", tasks=2)
+    randomised([*method.grown(0), *method.affines(0)], seed=3)
+    task = rt.benchmark.tasks[1]
+    for norm in method.norms:  # task 1's affines as task 0's now are
+        with torch.no_grad():
+            norm.weights[1].copy_(norm.weights[0])
+            norm.biases[1].copy_(norm.biases[0])
+    x = rt.test_tf(rt.benchmark.test[1].x[:4])
+    with torch.no_grad():
+        assert torch.allclose(method.features(x, 1), method.features(x, 0), atol=1e-6)
+    groups = method.param_groups(task, method.phases(task, 1)[0])
+    trained = sum(p.numel() for g in groups for p in g["params"])
+    d, blocks = method.backbone.embed_dim, len(method.backbone.blocks)
+    assert trained == tfm_ref.trainable_count(d, method.units[0], blocks, task.num_classes, len(method.norms))
+    assert trained == sum(p.numel() for p in method.parameters() if p.requires_grad)
