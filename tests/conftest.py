@@ -31,6 +31,7 @@ TRAINED = (
     "l2p",
     "dualprompt",
     "coda_prompt",
+    "apd",
     "ksm",
     "tfm",
 )

@@ -68,6 +68,7 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
         "l2p",
         "dualprompt",
         "coda_prompt",
+        "apd",
         "ksm",
         "tfm",
         "simplecil",

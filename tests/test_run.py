@@ -154,6 +154,12 @@ def test_lr_schedule_warmup_then_cosine_to_floor() -> None:
     assert lr_factor(100, 100, 10, cfg) == pytest.approx(0.1)
 
 
+def test_lr_schedule_exponential_is_a_staircase_a_epoch() -> None:
+    """APD's code: tf.train.exponential_decay(lr, global_step, decay_steps=batches a epoch, 0.95, staircase=True)."""
+    cfg = tiny_config("trainer.schedule=exponential", "trainer.lr_decay=0.5").trainer
+    assert [lr_factor(s, 40, 0, cfg, per_epoch=4) for s in (0, 3, 4, 7, 8, 39)] == [1, 1, 0.5, 0.5, 0.25, 0.5**9]
+
+
 def test_heatmap_renders_negative_forgetting() -> None:
     from clbench.data import Task
     from clbench.evaluation import Evaluation

@@ -7,9 +7,12 @@ import pytest
 import torch
 
 from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
+from clbench.methods.apd import APD, consolidate
 from clbench.methods.ksm import KSM, binary_part, soft_mask
 from clbench.methods.tfm import TFM, pack_states, unpack_states
 from conftest import tiny_config
+from oracles import apd_reference as apd_ref
 from oracles import ksm_reference as ksm_ref
 from oracles import tfm_reference as tfm_ref
 
@@ -155,3 +158,101 @@ def test_tfm_trains_only_its_units_norms_and_head_and_starts_at_the_previous_tas
     d, blocks = method.backbone.embed_dim, len(method.backbone.blocks)
     assert trained == tfm_ref.trainable_count(d, method.units[0], blocks, task.num_classes, len(method.norms))
     assert trained == sum(p.numel() for p in method.parameters() if p.requires_grad)
+
+
+# ------------------------------------------------------------------------------------------------------------- APD
+def apd_started(*overrides: str, tasks: int = 3) -> tuple[APD, object]:
+    """APD with ``tasks`` tasks started and every decomposed tensor random (so each term is non-trivial)."""
+    method, rt = started("apd", *overrides, tasks=tasks)
+    for layer in method.layers.values():
+        randomised([*layer.masks, *layer.taus, layer.sigma], seed=4, scale=0.05)
+    return method, rt
+
+
+def test_apd_forward_is_the_decomposition_in_training_and_the_thresholded_one_at_test() -> None:
+    method, rt = apd_started("method.l1=0.04")
+    layer = method.layers["blocks.0.mlp.fc1"]
+    for task in range(3):
+        train = apd_ref.theta(layer.sigma, layer.masks[task], layer.taus[task])
+        test = apd_ref.test_theta(layer.sigma, layer.masks[task], layer.taus[task], None, 0.04)
+        torch.testing.assert_close(layer.theta(task), train)
+        torch.testing.assert_close(layer.theta(task, test=True), test)
+        assert not torch.equal(train, test)  # the threshold bites
+    x = rt.test_tf(rt.benchmark.test[0].x[:3])
+    method.eval()
+    with torch.no_grad():
+        before = method.features(x, 0)
+        layer.taus[0].mul_(layer.taus[0].abs() > 0.04)  # what the test-time threshold drops changes nothing at test
+        assert torch.equal(method.features(x, 0), before)
+
+
+@pytest.mark.parametrize("task", [0, 2])
+def test_apd_regulariser_is_the_codes_sum_of_terms(task: int) -> None:
+    """wd + sparsity + drift + past sparsity of every decomposed layer, against the transcription of build_model."""
+    cfg = ("method.l1=1e-3", "method.drift=7.0", "method.wd=1e-2", "method.mask_l1=1e-3")
+    method, _ = apd_started(*cfg, tasks=task + 1)  # the references were taken before the tensors were randomised
+    expected = torch.zeros(())
+    for i, layer in enumerate(method.layers.values()):
+        refs = list(getattr(method, f"ref_{i}"))
+        terms = apd_ref.loss_terms(
+            task, layer.sigma, list(layer.masks), list(layer.taus), None, refs, 1e-2, 1e-3, 7.0, 1e-3
+        )
+        expected = expected + sum(terms.values())
+    torch.testing.assert_close(method.regulariser(task), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_apd_trains_sigma_the_tasks_tensors_and_every_earlier_tau_and_mask_but_no_earlier_bias_or_head() -> None:
+    method, rt = apd_started(tasks=2)
+    task = rt.benchmark.tasks[1]
+    params = {id(p) for g in method.param_groups(task, method.phases(task, 1)[0]) for p in g["params"]}
+    layer = method.layers["blocks.0.attn.qkv"]
+    assert {id(layer.sigma), id(layer.taus[0]), id(layer.masks[0]), id(layer.taus[1]), id(layer.biases[1])} <= params
+    assert id(layer.biases[0]) not in params and not params & {id(p) for p in method.heads[0].parameters()}
+    frozen, _ = apd_started("method.old_masks=freeze", tasks=2)
+    groups = frozen.param_groups(task, frozen.phases(task, 1)[0])
+    assert id(frozen.layers["blocks.0.attn.qkv"].masks[0]) not in {id(p) for g in groups for p in g["params"]}
+
+
+def test_apd_consolidation_shares_near_equal_entries_within_half_the_gap() -> None:
+    """aw_consolidation against its transcription; every theta_j moves by at most e_gap / 2; k = 2 * tasks / 5."""
+    gen = torch.Generator().manual_seed(5)
+    base = torch.randn(6, 4, generator=gen)
+    full = [base + torch.randn(6, 4, generator=gen) * s for s in (0.001, 0.004, 0.1, 0.003, 2.0)]
+    labels = [0, 0, 1, 0, 1]
+    shared, taus = consolidate(full, labels, 1e-2)
+    ref_shared, ref_taus = apd_ref.consolidate(full, labels, 1e-2)
+    assert shared.keys() == ref_shared.keys()
+    for g, tilde in shared.items():
+        torch.testing.assert_close(tilde, ref_shared[g])
+    for j, tau in enumerate(taus):
+        torch.testing.assert_close(tau, ref_taus[j])
+        rebuilt = tau + shared.get(labels[j], 0)
+        assert float((rebuilt - full[j]).abs().max()) <= 1e-2 / 2 + 1e-7
+    assert [apd_ref.num_clusters(n) for n in (5, 10)] == [2, 4]
+
+
+def test_apd_consolidates_after_every_fifth_task_and_keeps_each_theta_within_half_the_gap() -> None:
+    method, rt = apd_started("data.num_tasks=5", "method.e_gap=0.05", tasks=5)
+    task = rt.benchmark.tasks[4]
+    with torch.no_grad():
+        before = {name: [layer.theta(j).clone() for j in range(5)] for name, layer in method.layers.items()}
+    method.after_task(task)
+    for name, layer in method.layers.items():
+        assert layer.tilde.shape[0] == apd_ref.num_clusters(5) + 1  # and the zero row of tasks in no cluster
+        for j in range(5):
+            assert float((layer.theta(j).detach() - before[name][j]).abs().max()) <= 0.05 / 2 + 1e-6
+    assert len(method.capacity) == 5 and float(method.capacity[-1]) > 0  # one a task
+
+
+def test_apd_drift_of_an_earlier_task_falls_as_its_penalty_grows() -> None:
+    """The retroactive penalty l_2 holds theta_0 to its reference while sigma trains on task 1."""
+    drifts = []
+    for drift in (0.0, 100.0, 10000.0):
+        method, rt = build_runtime(tiny_config("method=apd", f"method.drift={drift}", "trainer.lr=1e-2"))
+        for task in rt.benchmark.tasks[:2]:
+            method.before_task(task)
+            run_task(method, task, rt, epochs=2)
+            method.after_task(task)
+        refs = {i: getattr(method, f"ref_{i}")[0] for i in range(len(method.layers))}
+        drifts.append(sum(float((la.theta(0) - refs[i]).norm()) for i, la in enumerate(method.layers.values())))
+    assert drifts[0] > drifts[1] > drifts[2], drifts

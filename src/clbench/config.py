@@ -189,7 +189,8 @@ class TrainerConfig:
     optimizer: str = "adamw"  # adamw | adam | sgd
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0
-    schedule: str = "cosine"  # cosine | constant, per phase, stepped per batch | plateau (HAT's, on validation)
+    schedule: str = "cosine"  # cosine | constant | exponential, per phase | plateau (HAT's, on validation)
+    lr_decay: float = 0.95  # exponential: the lr's factor after each epoch (staircase; APD's code: 0.95)
     plateau_patience: int = 5  # plateau: epochs without a better validation loss before the lr is divided
     plateau_factor: float = 3.0  # plateau: the divisor (HAT: 3); the phase stops once lr falls below min_lr
     warmup_epochs: float = 0.0  # linear warm-up at the start of each phase
@@ -225,7 +226,8 @@ class TrainerConfig:
         require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd"))
         require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
-        require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "plateau"))
+        require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "exponential", "plateau"))
+        require(0 < self.lr_decay <= 1, "trainer.lr_decay", self.lr_decay, "a float in (0, 1]")
         require(self.plateau_patience >= 1, "trainer.plateau_patience", self.plateau_patience, "an integer >= 1")
         require(self.plateau_factor > 1, "trainer.plateau_factor", self.plateau_factor, "a float > 1")
         require(self.warmup_epochs >= 0, "trainer.warmup_epochs", self.warmup_epochs, "a float >= 0")

@@ -37,6 +37,7 @@ ORDER = (
     "l2p",
     "dualprompt",
     "coda_prompt",
+    "apd",
     "ksm",
     "tfm",
 )

@@ -31,6 +31,7 @@ METHODS = (
     "l2p",
     "dualprompt",
     "coda_prompt",
+    "apd",
     "ksm",
     "tfm",
 )

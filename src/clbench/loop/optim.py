@@ -59,10 +59,13 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
         group.update(flags)
 
 
-def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr`` (or constant); a factor on each group's lr."""
+def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig, per_epoch: int = 1) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr``, a staircase ``lr_decay`` each epoch of ``per_epoch`` steps
+    (exponential: APD's x0.95), or constant; a factor on each group's lr."""
     if step < warmup:
         return (step + 1) / warmup
+    if cfg.schedule == "exponential":
+        return cfg.lr_decay ** ((step - warmup) // per_epoch)
     if cfg.schedule != "cosine" or total <= warmup:
         return 1.0
     progress = (step - warmup) / (total - warmup)

@@ -103,7 +103,7 @@ class PhaseRun:
         total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)
         self.plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, total, warmup, cfg) * self.scale()
+            self.optimizer, lambda s: lr_factor(s, total, warmup, cfg, self.per_epoch) * self.scale()
         )
         if resume is not None and resume.optimizer is not None and resume.schedule is not None:
             load_optimizer_state(self.optimizer, resume.optimizer)
