@@ -32,6 +32,7 @@ TRAINED = (
     "dualprompt",
     "coda_prompt",
     "apd",
+    "ctr",
     "ksm",
     "tfm",
 )

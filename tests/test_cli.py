@@ -69,6 +69,7 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
         "dualprompt",
         "coda_prompt",
         "apd",
+        "ctr",
         "ksm",
         "tfm",
         "simplecil",

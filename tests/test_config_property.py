@@ -27,6 +27,7 @@ METHOD_KEYS = {
     "dualprompt": ["g_length", "e_length", "top_k", "pull", "prefix", "shared_prompt_pool", "batchwise_prompt"],
     "coda_prompt": ["pool_size", "length", "layers", "ortho_mu", "init"],
     "apd": ["l1", "drift", "wd", "mask_l1", "e_gap", "every", "k_centroids", "init", "mask_init", "old_masks"],
+    "ctr": ["s_max", "c", "anneal", "adapter_size", "channels", "ksm", "ksm_lr"],
     "ksm": ["temperature", "alpha", "init", "group", "mask_lr"],
     "tfm": ["growth", "reuse"],
 }

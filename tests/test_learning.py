@@ -19,7 +19,8 @@ from clbench.loop import train
 from clbench.results import Results
 from conftest import ALL_METHODS, compose_config
 
-ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "simplecil")  # TIL forgetting 0: stored masks/prototypes
+# TIL forgetting 0: stored masks, prototypes, frozen units and norms
+ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "simplecil", "ksm", "tfm")
 # HAT's gates are sigmoid(s_max e), not exactly binary: old tasks may move by float noise (at most a point).
 METHODS = tuple(m for m in ALL_METHODS if m != "finetune")  # finetune, the lower bound, forgets
 
@@ -64,3 +65,14 @@ def test_the_prompt_methods_learn_every_task_and_beat_finetune_without_the_task_
     for method in ("l2p", "dualprompt", "coda_prompt"):
         metrics = run(tmp_path / method, f"method={method}", "data.num_tasks=3").metrics()
         assert metrics["til"]["final_acc"] >= 90.0 and metrics["cil"]["final_acc"] > finetune, (method, metrics)
+
+
+@pytest.mark.slow
+def test_the_survey_methods_reach_90_til_and_ctr_with_a_frozen_ksm_forgets_at_most_a_point(tmp_path: Path) -> None:
+    """The survey's acceptance: APD, CTR, TFM and KSM reach TIL final >= 90% on 3 tasks (TFM and KSM forget exactly 0,
+    checked above); CTR with the frozen KSM, whose old tasks only HAT's soft gates can move, forgets <= 1 point."""
+    for method in ("apd", "ctr", "tfm", "ksm"):
+        metrics = run(tmp_path / method, f"method={method}", "data.num_tasks=3").metrics()
+        assert metrics["til"]["final_acc"] >= 90.0, (method, metrics)
+    frozen = run(tmp_path / "frozen", "method=ctr", "method.ksm=frozen", "data.num_tasks=3").metrics()
+    assert frozen["til"]["final_acc"] >= 90.0 and frozen["til"]["forgetting"] <= 1.0, frozen

@@ -9,10 +9,13 @@ import torch
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.apd import APD, consolidate
+from clbench.methods.ctr import CTR, Plugin
+from clbench.methods.hat import capacity, code_annealed_s
 from clbench.methods.ksm import KSM, binary_part, soft_mask
 from clbench.methods.tfm import TFM, pack_states, unpack_states
 from conftest import tiny_config
 from oracles import apd_reference as apd_ref
+from oracles import ctr_reference as ctr_ref
 from oracles import ksm_reference as ksm_ref
 from oracles import tfm_reference as tfm_ref
 
@@ -256,3 +259,101 @@ def test_apd_drift_of_an_earlier_task_falls_as_its_penalty_grows() -> None:
         refs = {i: getattr(method, f"ref_{i}")[0] for i in range(len(method.layers))}
         drifts.append(sum(float((la.theta(0) - refs[i]).norm()) for i, la in enumerate(method.layers.values())))
     assert drifts[0] > drifts[1] > drifts[2], drifts
+
+
+# ------------------------------------------------------------------------------------------------------------- CTR
+def ctr_params(method: CTR, plugin: Plugin, key: str) -> dict:
+    """One plugin's tensors (and every started task's gate embeddings) in the oracle's layout."""
+    ksm = plugin.ksm
+    p = {
+        "caps_w": torch.stack([c.weight for c in ksm.capsules]),
+        "caps_b": torch.stack([c.bias for c in ksm.capsules]),
+        "route_w": torch.stack(list(ksm.routes), dim=1),
+        "fc_cur_w": ksm.mix.weight,
+        "fc_cur_b": ksm.mix.bias,
+        "fc_sim_w": ksm.weigh.weight,
+        "fc_sim_b": ksm.weigh.bias,
+        "gate_w": ksm.gate.weight,
+        "gate_b": ksm.gate.bias,
+        "larger_w": ksm.out.weight,
+        "larger_b": ksm.out.bias,
+        "fc1_w": plugin.fc1.weight,
+        "fc1_b": plugin.fc1.bias,
+        "fc2_w": plugin.fc2.weight,
+        "fc2_b": plugin.fc2.bias,
+        "e1": torch.stack([e[f"{key}_fc1"] for e in method.embeddings]),
+        "e2": torch.stack([e[f"{key}_fc2"] for e in method.embeddings]),
+    }
+    for i, k in enumerate(ctr_ref.KERNELS):
+        p |= {f"cur_conv_w{k}": ksm.current[i].weight, f"cur_conv_b{k}": ksm.current[i].bias}
+        p |= {f"task_conv_w{k}": ksm.per_task[i].weight, f"task_conv_b{k}": ksm.per_task[i].bias}
+    return p
+
+
+def ctr_started(*overrides: str, tasks: int = 3) -> CTR:
+    method, _ = started("ctr", "method.channels=6", "method.adapter_size=8", *overrides, tasks=tasks)
+    randomised([p for plugin in method.plugins for p in plugin.parameters()], seed=6, scale=0.3)
+    return method
+
+
+@pytest.mark.parametrize("task", [0, 1, 2])
+def test_ctr_plugin_is_the_transcribed_one_at_eval_and_with_the_same_gumbel_draws_in_training(task: int) -> None:
+    """KSM (capsules, routing, similarity, hard gate, KS-layer) and the HAT-gated TSM against ctr_reference, the
+    argmax gate at eval; in training the same Gumbel noise as torch's gumbel_softmax draws."""
+    method = ctr_started()
+    plugin, key = method.plugins[1], "blocks_0_mlp"
+    z = torch.randn(2, 7, method.backbone.embed_dim, generator=torch.Generator().manual_seed(7))
+    p = ctr_params(method, plugin, key)
+    s = method.config.s_max
+    method.eval()
+    with torch.no_grad():
+        for gate_key, gate in method.gates(task, s).items():
+            method.gated[gate_key].gate = gate
+        plugin.ksm.task = task
+        torch.testing.assert_close(plugin(z), ctr_ref.plugin(z, task, p, s), rtol=1e-5, atol=1e-5)
+        method.train()
+        torch.manual_seed(8)
+        mine = plugin(z)
+        torch.manual_seed(8)
+        noise = -torch.empty(2, task + 1, 2).exponential_().log()
+        noise = torch.cat([noise, torch.zeros(2, 2 - task, 2)], 1)  # tasks after t never reach the output
+        torch.testing.assert_close(mine, ctr_ref.plugin(z, task, p, s, gate_noise=noise), rtol=1e-5, atol=1e-5)
+
+
+def test_ctr_guards_the_tsm_with_the_transcribed_hat_masks_and_anneals_as_the_code() -> None:
+    method = ctr_started()
+    gen = torch.Generator().manual_seed(9)
+    for key in method.units:  # cumulative gates of earlier tasks: saturated and soft entries
+        method.cumulative(key).copy_(torch.rand(method.units[key], generator=gen).round())
+    plugin, key = method.plugins[0], "blocks_0_attn"
+    expected = ctr_ref.grad_masks(method.cumulative(f"{key}_fc1"), method.cumulative(f"{key}_fc2"))
+    guarded = {id(p.param): method.multiplier(p) for p in method.protected}
+    for name in ("fc1_w", "fc1_b", "fc2_w", "fc2_b"):
+        layer = plugin.fc1 if name.startswith("fc1") else plugin.fc2
+        param = layer.weight if name.endswith("_w") else layer.bias
+        torch.testing.assert_close(guarded[id(param)].expand_as(param), expected[name])
+    assert [code_annealed_s(b * 32, 10 * 32, 400.0) for b in range(10)] == [ctr_ref.anneal(b, 10) for b in range(10)]
+    gates = [g for g in method.gates(2, 3.0).values()]
+    previous = [method.cumulative(k) for k in method.units]
+    torch.testing.assert_close(capacity(gates, previous), ctr_ref.capacity_regulariser(gates, previous))
+
+
+@pytest.mark.parametrize("ksm", ["shared", "frozen"])
+def test_ctr_trains_the_capsules_the_code_does_and_never_a_future_tasks(ksm: str) -> None:
+    """shared (the code's tsv mask): every capsule and routing of tasks <= t, the estimator and the KS-layer; frozen:
+    the task's own capsule and routing only. A future task's capsule gets no gradient either way."""
+    method = ctr_started(f"method.ksm={ksm}", tasks=2)
+    task = method.tasks[1]
+    groups = method.param_groups(task, method.phases(task, 1)[0])
+    trained = {id(p) for g in groups for p in g["params"]}
+    ksm_module = method.plugins[0].ksm
+    assert {id(p) for p in ksm_module.own(1)} <= trained
+    assert ({id(p) for p in ksm_module.own(0)} <= trained) == (ksm == "shared")
+    assert ({id(p) for p in ksm_module.estimator()} <= trained) == (ksm == "shared")
+    assert not {id(p) for p in ksm_module.own(2)} & trained
+    method.train()
+    x = torch.randn(4, 3, 16, 16)
+    loss, _ = method.training_loss(x, torch.tensor([2, 3, 2, 3]), task)
+    loss.backward()
+    assert all(p.grad is None for p in ksm_module.own(2))
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ksm_module.own(1))

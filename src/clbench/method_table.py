@@ -38,6 +38,7 @@ ORDER = (
     "dualprompt",
     "coda_prompt",
     "apd",
+    "ctr",
     "ksm",
     "tfm",
 )

@@ -32,6 +32,7 @@ METHODS = (
     "dualprompt",
     "coda_prompt",
     "apd",
+    "ctr",
     "ksm",
     "tfm",
 )

@@ -115,12 +115,16 @@ class Gated(nn.Module):
 @dataclass
 class Protected:
     """A parameter whose slices along ``dim`` are guarded by units of gate ``gate``: slice i by unit
-    ``index[i]``."""
+    ``index[i]``. A 2-D weight between two gated layers (CTR's adapters) names its input's gate in ``other`` (dim 0 the
+    rows, ``other_index[j]`` the unit of column j): entry (i, j) is guarded by min(a[index[i]], a_other[other_index[j]])
+    (Eq. 2)."""
 
     param: nn.Parameter
     gate: str
     dim: int
     index: torch.Tensor
+    other: str | None = None
+    other_index: torch.Tensor | None = None
 
 
 class HAT(Method):
@@ -184,8 +188,10 @@ class HAT(Method):
 
     def multiplier(self, p: Protected) -> torch.Tensor:
         """1 - a^{<t} of each slice's unit, shaped to broadcast over the parameter (Eq. 2, residual gate 1)."""
-        m = 1 - self.cumulative(p.gate)[p.index]
-        return m[:, None] if p.dim == 0 and p.param.dim() == 2 else m
+        a = self.cumulative(p.gate)[p.index]
+        if p.other is not None:
+            return 1 - torch.minimum(a[:, None], self.cumulative(p.other)[p.other_index][None, :])
+        return (1 - a)[:, None] if p.dim == 0 and p.param.dim() == 2 else 1 - a
 
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         if task_id is None:
