@@ -63,6 +63,7 @@ def official_split(seed: int, tasks: int) -> list[list[int]]:
         ("dualprompt_cifar100_paper", NATURAL, 224),
         ("coda_prompt_cifar100_paper", NATURAL, 224),
         ("supsup_splitcifar100_paper", official_split(0, 20), 32),
+        ("apd_cifar100_split_paper", NATURAL, 32),
     ],
 )
 def test_a_paper_preset_reads_the_real_layout_and_takes_a_step(
