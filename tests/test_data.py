@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torchvision.transforms.functional import resize
 
 from clbench.config import DataConfig, validate
 from clbench.data import DeviceTransform, build_benchmark, sources
@@ -232,18 +233,23 @@ def test_synthetic_cifar100_has_cifar100s_shapes_and_counts() -> None:
     assert bench.train[0].x.shape == (50, 3, 32, 32) and sum(len(s) for s in bench.test) == 100 * 100
 
 
-def test_permuted_tasks_hold_every_class_under_their_own_fixed_pixel_permutation() -> None:
-    """data=permuted_digits: task t is every digit with its pixels shuffled by RandomState(seed + t).permutation(64),
-    labels t * 10 + digit; the same images, a different permutation per task."""
-    cfg = validate(compose_config("data=permuted_digits", "data.num_tasks=3")).data
+@pytest.mark.parametrize("size", [None, 32])
+def test_permuted_tasks_hold_every_class_under_their_own_fixed_pixel_permutation(size: int | None) -> None:
+    """data=permuted_digits: task t is every digit with its pixels shuffled by RandomState(seed + t).permutation(H W),
+    labels t * 10 + digit; the same images, a different permutation per task. With permutation_size the images are
+    resized first, so the permutation moves the pixels of the model's input, not whole 4x4 patches."""
+    side = "null" if size is None else size
+    cfg = validate(compose_config("data=permuted_digits", "data.num_tasks=3", f"data.permutation_size={side}")).data
     plain = build_benchmark(validate(compose_config("data=digits_5tasks", "data.class_order_seed=null")).data)
     images = torch.cat([s.x for s in plain.test])
+    if size is not None:  # torchvision's antialiased bilinear resize of the uint8 images, rounded
+        images = resize(images.float(), [size, size], antialias=True).round().clamp(0, 255).to(torch.uint8)
     labels = torch.cat([s.y for s in plain.test])
     order = labels.argsort(stable=True)
     permuted = build_benchmark(cfg)
     assert [t.offset for t in permuted.tasks] == [0, 10, 20] and [len(t.classes) for t in permuted.tasks] == [10] * 3
     for t, split in enumerate(permuted.test):
-        perm = np.random.RandomState(t).permutation(64)
+        perm = np.random.RandomState(t).permutation(images.shape[-1] * images.shape[-2])
         expected = images[order].flatten(2)[:, :, perm].reshape(images.shape)
         got = split.x[(split.y - 10 * t).argsort(stable=True)]
         assert torch.equal(got, expected) and set((split.y - 10 * t).tolist()) == set(range(10))

@@ -135,6 +135,7 @@ def test_piggyback_starts_from_the_full_network() -> None:
         ("method=supsup", "trainer.lr=1e-2"),
         ("method=supsup", "method.base_weights=pretrained", "method.er_scale=2"),
         ("method=supsup", "trainer.lr=1e-2", "method.layers=[patch_embed.proj,mlp.fc1]"),
+        ("method=supsup", "trainer.lr=1e-2", "method.head=masked", "method.outputs=5", "method.mask_rule=threshold"),
         ("method=packnet", "method.retrain_epochs=1", "method.layers=[patch_embed.proj,attn.qkv]"),
         ("method=meat", "trainer.lr_scale_batch=null", "trainer.warmup_epochs=0", "trainer.batch_size=16"),
         ("method=ksm", "trainer.lr=1e-1"),
@@ -149,6 +150,7 @@ def test_piggyback_starts_from_the_full_network() -> None:
         "supsup",
         "supsup-pretrained-er",
         "supsup-conv",
+        "supsup-gn",
         "packnet-conv",
         "meat",
         "ksm",
@@ -267,3 +269,46 @@ def test_supsup_superposition_memory_does_not_grow_with_the_number_of_tasks() ->
     two, _, _ = saved_bytes_and_result(2)
     eight, _, _ = saved_bytes_and_result(8)
     assert two == eight  # nothing of size T x (B, N, out) is kept for backward
+
+
+def test_supsup_masked_output_layer_superposes_linearly_and_its_objectives_are_the_papers() -> None:
+    """head=masked: one fixed signed-constant output layer, a supermask a task. With alpha one-hot the superposed
+    network is that task's (so H is its entropy over the real neurons); G = logsumexp of every neuron with the real
+    ones detached: no gradient reaches alpha through the real logits."""
+    overrides = ("method=supsup", "method.head=masked", "method.outputs=5", "method.objective=superfluous")
+    method, rt = build_runtime(tiny_config(*overrides))
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        method.after_task(task)
+    weight = method.output_weight
+    assert weight.shape == (5, method.backbone.num_features)
+    assert torch.equal(weight.abs(), torch.full_like(weight, (2 / weight.shape[1]) ** 0.5))
+    x = rt.test_tf(rt.benchmark.test[1].x[:3])
+    feats = method.features(x, 1)
+    logits = method.output_logits(feats, 1)
+    assert torch.equal(method.predict(x, 1), logits[:, :2])
+    one_hot = torch.tensor([[0.0, 1.0, 0.0]]).expand(3, 3)
+    for layer_name, layer in method.layers.items():
+        layer.superposed = torch.stack([method.mask_for(layer_name, t) for t in range(3)])
+        layer.alpha = one_hot
+    try:
+        superposed = method.backbone.forward_head(method.backbone.forward_features(x), pre_logits=True)
+    finally:
+        for layer in method.layers.values():
+            layer.superposed = layer.alpha = None
+    torch.testing.assert_close(superposed, feats)
+    alpha = one_hot.clone().requires_grad_()
+    g = method.inference_objective(feats, alpha)
+    assert torch.allclose(g, torch.logsumexp(logits, 1).sum())
+    (grad,) = torch.autograd.grad(g, alpha)
+    outs = torch.stack([method.output_logits(feats, t) for t in range(3)], 1)  # (B, T, outputs)
+    weights = torch.softmax(logits, 1)[:, 2:]  # dG/d(superfluous logit), the real ones detached
+    torch.testing.assert_close(grad, (weights[:, None, :] * outs[:, :, 2:]).sum(-1))
+    method.config.objective = "entropy"
+    logp = torch.log_softmax(logits[:, :2], 1)
+    torch.testing.assert_close(method.inference_objective(feats, one_hot), -(logp.exp() * logp).sum())
+
+
+def test_supsup_superfluous_objective_needs_superfluous_neurons() -> None:
+    with pytest.raises(ConfigError, match=r"method\.objective"):
+        tiny_config("method=supsup", "method.objective=superfluous")

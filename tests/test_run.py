@@ -174,10 +174,19 @@ def test_heatmap_renders_negative_forgetting() -> None:
     assert heatmap_png(results, "til")[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("method", [m for m in TRAINED if m != "joint"])
-def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, method: str) -> None:
-    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
-    overrides = (*TINY, *tiny_fit(f"method={method}"), f"method={method}", "trainer.epochs=1", *extra)
+AGAIN_EXTRA = {"packnet": ("method.retrain_epochs=1",), "supsup-gn": ("method.head=masked", "method.outputs=4")}
+
+
+@pytest.mark.parametrize("case", [*(m for m in TRAINED if m != "joint"), "supsup-gn"])
+def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, case: str) -> None:
+    method = case.split("-", maxsplit=1)[0]
+    overrides = (
+        *TINY,
+        *tiny_fit(f"method={method}"),
+        f"method={method}",
+        "trainer.epochs=1",
+        *AGAIN_EXTRA.get(case, ()),
+    )
     (tmp_path / ".hydra").mkdir()
     OmegaConf.save(compose_config(*overrides), tmp_path / ".hydra" / "config.yaml")
     train(validate(compose_config(*overrides)), tmp_path)

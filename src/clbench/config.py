@@ -56,6 +56,9 @@ class DataConfig:
     # classes, each task's images under its own fixed pixel permutation (PermutedMNIST), seeded by permutation_seed
     tasks_by: str = "classes"
     permutation_seed: int = 0
+    # pixel_permutations: the side the images are resized to before their pixels are permuted (null: as stored). A
+    # ViT whose patch is one source pixel would see the permutation as a mere shuffle of its tokens.
+    permutation_size: int | None = None
     # Image folders and sequences of datasets (one task per dataset, in the listed order).
     folder: str | None = None  # source=image_folder: the folder under root
     datasets: list[str] = field(default_factory=list)  # source=sequence: built-in source names or folders under root
@@ -92,6 +95,8 @@ class DataConfig:
     def __post_init__(self) -> None:
         require_choice("data.source", self.source, (*SOURCES, "sequence"))
         require_choice("data.tasks_by", self.tasks_by, ("classes", "pixel_permutations"))
+        size = self.permutation_size
+        require(size is None or size >= 1, "data.permutation_size", size, "null or an integer >= 1")
         if self.tasks_by == "pixel_permutations":
             require(
                 self.source != "sequence" and self.store == "device",

@@ -7,6 +7,7 @@ class-order position; results record the original class ids and names of every t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from clbench.config import DataConfig
 from clbench.data.cache import cached_source
@@ -219,12 +221,22 @@ def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
     return Benchmark(cfg.name, tasks, train, test, [source.split] if source.split else [])
 
 
+def resized(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 images (N, C, H, W) resized to ``size``."""
+    out = F.interpolate(x.float(), size=size, mode="bilinear", antialias=True, align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8)
+
+
 def permuted_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
     """``data.tasks_by=pixel_permutations`` (PermutedMNIST, as SupSup's GN experiments): task t holds every class of
     the source, its images' pixels shuffled by task t's own fixed permutation, drawn by
     np.random.RandomState(permutation_seed + t).permutation(H * W) (the same for every channel), and its labels
-    t * classes + class (task-incremental heads of the source's classes)."""
+    t * classes + class (task-incremental heads of the source's classes). With ``permutation_size`` the images are
+    first resized (bilinear, antialiased) to that side, so the permutation moves pixels, not whole patches."""
     classes = len(source.class_names)
+    if cfg.permutation_size is not None:
+        size = (cfg.permutation_size, cfg.permutation_size)
+        source = dataclasses.replace(source, train_x=resized(source.train_x, size), test_x=resized(source.test_x, size))
     h, w = source.train_x.shape[-2:]
     tasks, train, test = [], [], []
     for t in range(cfg.num_tasks or cfg.tasks):
@@ -237,7 +249,7 @@ def permuted_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
         tasks.append(Task(t, tuple(range(classes)), names, t * classes))
         train.append(Split(shuffled(source.train_x), source.train_y + t * classes))
         test.append(Split(shuffled(source.test_x), source.test_y + t * classes))
-    record = {"pixel_permutations": {"seed": cfg.permutation_seed, "tasks": len(tasks), "pixels": h * w}}
+    record = {"pixel_permutations": {"seed": cfg.permutation_seed, "tasks": len(tasks), "pixels": h * w, "side": h}}
     return Benchmark(cfg.name, tasks, train, test, [*([source.split] if source.split else []), record])
 
 

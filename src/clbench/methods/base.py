@@ -226,12 +226,16 @@ class Method(nn.Module):
             raise RuntimeError("load_artifacts expects a method that has not seen any task")
         num_heads = len({k.split(".")[1] for k in tensors if k.startswith("head.")})
         for t in range(num_heads):
-            self.add_head(tensors[f"head.{t}.weight"].shape[0]).load_state_dict(
-                {k: tensors[f"head.{t}.{k}"] for k in ("weight", "bias")}
+            self.restore_head(
+                {k.removeprefix(f"head.{t}."): v for k, v in tensors.items() if k.startswith(f"head.{t}.")}
             )
         if self.changes_backbone:
             saved = {k.removeprefix("backbone."): v for k, v in tensors.items() if k.startswith("backbone.")}
             self.backbone.load_state_dict(saved)
+
+    def restore_head(self, saved: dict[str, torch.Tensor]) -> None:
+        """Add the next task's head from its saved tensors (``head.<t>.*`` of :meth:`artifacts`)."""
+        self.add_head(saved["weight"].shape[0]).load_state_dict(saved)
 
     def extra_results(self) -> dict[str, Any]:
         """Method-specific entries for results.json (e.g. L2P's prompt histogram)."""

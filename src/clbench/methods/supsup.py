@@ -34,8 +34,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from clbench.config import require, require_choice
+from clbench.data import Task
+from clbench.errors import ConfigError
+from clbench.methods.base import Logs
 from clbench.methods.masked_method import ScoredMaskMethod
-from clbench.methods.masking import DEFAULT_TARGETS, MaskedLayer, topk_mask
+from clbench.methods.masking import DEFAULT_TARGETS, MaskedLayer, threshold_mask, topk_mask
+
+
+def signed_constant(weight: torch.Tensor) -> torch.Tensor:
+    """The paper's fixed weights: sign(w0) sqrt(2 / fan_in), w0 ~ N(0, 1) (the code's ``signed_constant``)."""
+    return torch.randn_like(weight).sign() * math.sqrt(2.0 / weight[0].numel())
 
 
 @dataclass
@@ -46,6 +54,10 @@ class SupSupConfig:
     inference: str = "one_shot"  # task inference without task id: one_shot | binary
     mask_lr: float | None = None  # learning rate of the scores (null: trainer.lr)
     score_decay: float = 0.0  # weight decay on the scores (official SplitCIFAR-100: 1e-4; SplitImageNet: 0)
+    head: str = "per_task"  # per_task: a trained Linear a task | masked: one fixed output layer, a supermask a task
+    outputs: int | None = None  # head=masked: output neurons (null: the most classes of a task; more: superfluous)
+    mask_rule: str = "topk"  # topk: edge-popup's top-|S| (GG) | threshold: 1[S > 0] (the GN training's)
+    objective: str = "entropy"  # task inference: entropy H | superfluous: G, logsumexp with the real logits detached
     layers: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
     def __post_init__(self) -> None:
@@ -55,6 +67,31 @@ class SupSupConfig:
         require_choice("method.inference", self.inference, ("one_shot", "binary"))
         require(self.mask_lr is None or self.mask_lr > 0, "method.mask_lr", self.mask_lr, "null or a float > 0")
         require(self.score_decay >= 0, "method.score_decay", self.score_decay, "a float >= 0")
+        require_choice("method.head", self.head, ("per_task", "masked"))
+        require(self.outputs is None or self.outputs >= 1, "method.outputs", self.outputs, "null or an integer >= 1")
+        require_choice("method.mask_rule", self.mask_rule, ("topk", "threshold"))
+        require_choice("method.objective", self.objective, ("entropy", "superfluous"))
+        superfluous = self.head == "masked" and self.outputs is not None
+        require(
+            self.objective == "entropy" or superfluous,
+            "method.objective",
+            self.objective,
+            "entropy, or superfluous with method.head=masked and method.outputs above the classes of a task",
+        )
+
+
+class SupermaskHead(nn.Module):
+    """Task t's share of the masked output layer: its scores while it trains, its binary mask after."""
+
+    def __init__(self, scores: torch.Tensor, num_classes: int) -> None:
+        super().__init__()
+        self.out_features = num_classes
+        self.scores: nn.Parameter | None = nn.Parameter(scores)
+
+    def finish(self, mask: torch.Tensor) -> None:
+        del self.scores
+        self.scores = None
+        self.register_buffer("mask", mask.detach().bool())
 
 
 class SupSup(ScoredMaskMethod):
@@ -65,10 +102,16 @@ class SupSup(ScoredMaskMethod):
         if self.config.base_weights == "signed_constant":
             with torch.no_grad():
                 for layer in self.layers.values():
-                    sign = torch.randn_like(layer.weight).sign()
-                    layer.weight.copy_(sign * math.sqrt(2.0 / layer.fan_in))
+                    layer.weight.copy_(signed_constant(layer.weight))
                     if layer.bias is not None:
                         layer.bias.zero_()
+        if self.config.head == "masked":
+            classes = max(task.num_classes for task in self.tasks)
+            outputs = self.config.outputs or classes
+            if outputs < classes:
+                raise ConfigError(f"Invalid value for `method.outputs`: {outputs}. Allowed: at least {classes}.")
+            weight = self.backbone.cls_token.new_empty(outputs, self.backbone.num_features)
+            self.register_buffer("output_weight", signed_constant(weight))  # fixed, as every masked weight
 
     def density(self, layer: MaskedLayer) -> float:
         """The share of the layer's weights its mask keeps: ``density``, or the official ER budget
@@ -89,7 +132,67 @@ class SupSup(ScoredMaskMethod):
         return scores
 
     def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:
-        return topk_mask(scores, self.density(self.layers[name]))
+        return self.supermask(scores, self.density(self.layers[name]))
+
+    def supermask(self, scores: torch.Tensor, density: float) -> torch.Tensor:
+        """Edge-popup's top-|S| at ``density`` (GG) or the GN training's 1[S > 0], straight-through."""
+        return topk_mask(scores, density) if self.config.mask_rule == "topk" else threshold_mask(scores, 0.0)
+
+    # ----------------------------------------------------------------------------- head=masked
+    def add_head(self, num_classes: int) -> nn.Module:
+        if self.config.head == "per_task":
+            return super().add_head(num_classes)
+        scores = torch.empty_like(self.output_weight)
+        nn.init.kaiming_uniform_(scores, a=math.sqrt(5))
+        head = SupermaskHead(scores, num_classes)
+        self.heads.append(head)
+        return head
+
+    def restore_head(self, saved: dict[str, torch.Tensor]) -> None:
+        if self.config.head == "per_task":
+            return super().restore_head(saved)
+        self.add_head(int(saved["out_features"])).finish(saved["mask"].to(self.output_weight.device))
+        return None
+
+    def output_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
+        """Every output neuron of the masked output layer under task ``task_id``'s mask (superfluous ones too)."""
+        head = self.heads[task_id]
+        mask = head.mask if head.scores is None else self.supermask(head.scores, self.config.density)
+        return F.linear(feats, self.output_weight * mask.to(self.output_weight.dtype))
+
+    def head_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
+        if self.config.head == "per_task":
+            return super().head_logits(feats, task_id)
+        return self.output_logits(feats, task_id)[:, : self.heads[task_id].out_features]
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        """With a masked output layer, cross-entropy over all its neurons: the superfluous ones learn to stay low."""
+        if self.config.head == "per_task":
+            return super().training_loss(x, y, task)
+        logits = self.output_logits(self.features(x, task.id), task.id)
+        if y.is_floating_point():  # soft targets over the task's classes: none on the superfluous neurons
+            y = F.pad(y, (0, logits.shape[1] - y.shape[1]))
+        return self.task_loss(logits, y, task), {}
+
+    @torch.no_grad()
+    def after_task(self, task: Task) -> None:
+        if self.config.head == "masked":
+            head = self.heads[task.id]
+            head.finish(self.supermask(head.scores, self.config.density))
+        super().after_task(task)
+
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        out = super().artifacts()
+        if self.config.head == "masked":
+            out |= {f"head.{t}.out_features": torch.tensor(h.out_features) for t, h in enumerate(self.heads)}
+        return out
+
+    def storage(self) -> dict[str, Any]:
+        out = super().storage()
+        if self.config.head == "masked":  # the head's mask: one bit a weight of the shared output layer
+            for entry in out["bits_per_task"]:
+                entry["head"] = self.output_weight.numel()
+        return out
 
     # ----------------------------------------------------------------------------- GN: task inference
     def _entropy_grad(self, x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -101,13 +204,25 @@ class SupSup(ScoredMaskMethod):
         try:
             with torch.enable_grad():
                 feats = self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
-                logp = F.log_softmax(self.seen_logits(feats).float(), dim=1)
-                entropy = -(logp.exp() * logp).sum()
-                (grad,) = torch.autograd.grad(entropy, alpha)
+                (grad,) = torch.autograd.grad(self.inference_objective(feats, alpha), alpha)
         finally:
             for layer in self.layers.values():
                 layer.superposed = layer.alpha = None
         return grad
+
+    def inference_objective(self, feats: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
+        """What the task inference descends, summed over the samples: the entropy H of the softmax over all seen
+        classes (per-task heads, concatenated) or over the real neurons of the superposed masked output layer; or
+        (``objective=superfluous``) G = logsumexp of its neurons with the real ones detached."""
+        if self.config.head == "per_task":
+            logits = self.seen_logits(feats).float()
+        else:  # a Linear is linear in its mask: the superposed layer is the alpha-weighted sum of the tasks' outputs
+            logits = sum(alpha[:, t, None] * self.output_logits(feats, t) for t in range(self.num_seen)).float()
+        real = max(h.out_features for h in self.heads)
+        if self.config.objective == "superfluous":
+            return torch.logsumexp(torch.cat([logits[:, :real].detach(), logits[:, real:]], 1), 1).sum()
+        logp = F.log_softmax(logits[:, :real], dim=1)
+        return -(logp.exp() * logp).sum()
 
     def infer_task(self, x: torch.Tensor) -> torch.Tensor:
         """The inferred task of each sample (one-shot or binary search over the seen tasks' masks)."""
