@@ -39,6 +39,7 @@ def test_target_ratios_follow_their_definitions() -> None:
     from clbench.bench.cli import target_ratios
 
     ms = {"finetune": 50.0, "hat": 60.0, "meat": 75.0, "l2p": 90.0, "dualprompt": 99.0, "coda_prompt": 117.0}
+    ms |= {"apd": 100.0, "tfm": 55.0}
     refs = {"reference/timm_train": 55.0, "reference/timm_compiled": 40.0}
     refs |= {"reference/timm_frozen": 40.0, "reference/timm_inference": 20.0}
     ratios = target_ratios([{"name": k, "step_ms": v} for k, v in {**ms, **refs}.items()])
@@ -48,6 +49,7 @@ def test_target_ratios_follow_their_definitions() -> None:
         "slowest_method_step_vs_finetune": 1.5,
         "l2p_step_vs_frozen_plus_inference": 1.5,
         "slowest_prompt_successor_step_vs_l2p": 1.3,
+        "slowest_survey_method_step_vs_finetune": 2.0,
     }
     assert target_ratios([{"name": "l2p", "error": "x"}])["l2p_step_vs_frozen_plus_inference"] is None
 

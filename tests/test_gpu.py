@@ -41,7 +41,7 @@ from clbench.methods.base import Method
 from conftest import TINY, TRAINED, attention_ops, clbench, compose_config, run_command
 
 METHODS = TRAINED
-ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat")
+ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # ViT-S/16 at 224 px, random weights (no download on a GPU machine without network), synthetic 2-class tasks.

@@ -312,3 +312,18 @@ def test_supsup_masked_output_layer_superposes_linearly_and_its_objectives_are_t
 def test_supsup_superfluous_objective_needs_superfluous_neurons() -> None:
     with pytest.raises(ConfigError, match=r"method\.objective"):
         tiny_config("method=supsup", "method.objective=superfluous")
+
+
+def test_supsup_entropy_with_per_task_heads_is_over_every_seen_class() -> None:
+    """Eq. 4's H with a head per task: the entropy of the softmax over all seen classes (the heads concatenated)."""
+    method, rt = build_runtime(tiny_config("method=supsup"))
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        method.after_task(task)
+    x = rt.test_tf(rt.benchmark.test[0].x[:3])
+    feats = method.features(x, 0)
+    logits = torch.cat([head(feats) for head in method.heads], 1)
+    assert logits.shape[1] == 6
+    logp = torch.log_softmax(logits, 1)
+    alpha = torch.full((3, 3), 1 / 3)
+    torch.testing.assert_close(method.inference_objective(feats, alpha), -(logp.exp() * logp).sum())

@@ -216,9 +216,10 @@ class SupSup(ScoredMaskMethod):
         (``objective=superfluous``) G = logsumexp of its neurons with the real ones detached."""
         if self.config.head == "per_task":
             logits = self.seen_logits(feats).float()
+            real = logits.shape[1]
         else:  # a Linear is linear in its mask: the superposed layer is the alpha-weighted sum of the tasks' outputs
             logits = sum(alpha[:, t, None] * self.output_logits(feats, t) for t in range(self.num_seen)).float()
-        real = max(h.out_features for h in self.heads)
+            real = max(h.out_features for h in self.heads)
         if self.config.objective == "superfluous":
             return torch.logsumexp(torch.cat([logits[:, :real].detach(), logits[:, real:]], 1), 1).sum()
         logp = F.log_softmax(logits[:, :real], dim=1)
