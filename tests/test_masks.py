@@ -327,3 +327,19 @@ def test_supsup_entropy_with_per_task_heads_is_over_every_seen_class() -> None:
     logp = torch.log_softmax(logits, 1)
     alpha = torch.full((3, 3), 1 / 3)
     torch.testing.assert_close(method.inference_objective(feats, alpha), -(logp.exp() * logp).sum())
+
+
+def test_supsup_lowest_entropy_inference_keeps_the_path_with_the_lowest_entropy() -> None:
+    method, rt = build_runtime(tiny_config("method=supsup", "method.inference=lowest_entropy"))
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        method.after_task(task)
+    method.eval()
+    x = rt.test_tf(rt.benchmark.test[2].x[:4])
+    per_task = [method.predict(x, t) for t in range(3)]
+    entropy = torch.stack([torch.special.entr(torch.softmax(lg, 1)).sum(1) for lg in per_task])
+    logits = method.predict(x, None)
+    for i, t in enumerate(entropy.argmin(0).tolist()):
+        task = rt.benchmark.tasks[t]
+        assert torch.equal(logits[i, task.offset : task.offset + task.num_classes], per_task[t][i])
+        assert torch.isinf(logits[i]).sum() == 4

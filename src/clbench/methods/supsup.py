@@ -9,6 +9,7 @@ the binary mask is stored (1 bit per weight); W never changes.
   alpha_i = 1/k: ``inference=one_shot`` picks argmin_i dH/dalpha_i (Eq. 4), ``inference=binary`` halves
   the candidate tasks log2(k) times with the same gradient. H is the entropy of the softmax over all seen
   classes (the concatenated per-task heads); each sample has its own alpha, so nothing depends on the batch.
+  ``inference=lowest_entropy`` runs every task's mask and keeps the lowest entropy (k passes, no gradient).
 
 ViT adaptation (design choices): masks on ``attn.qkv``, ``attn.proj``, ``mlp.fc1``, ``mlp.fc2``.
 Add ``patch_embed.proj`` to ``layers`` to mask the patch embedding too.
@@ -51,7 +52,7 @@ class SupSupConfig:
     density: float = 0.5  # fraction of weights each task's mask keeps, per layer
     er_scale: float | None = None  # Erdos-Renyi budget scale s (paper: 1..32); null: uniform density
     base_weights: str = "signed_constant"  # signed_constant (paper) | pretrained
-    inference: str = "one_shot"  # task inference without task id: one_shot | binary
+    inference: str = "one_shot"  # task inference without task id: one_shot | binary | lowest_entropy (every path)
     mask_lr: float | None = None  # learning rate of the scores (null: trainer.lr)
     score_decay: float = 0.0  # weight decay on the scores (official SplitCIFAR-100: 1e-4; SplitImageNet: 0)
     head: str = "per_task"  # per_task: a trained Linear a task | masked: one fixed output layer, a supermask a task
@@ -64,7 +65,7 @@ class SupSupConfig:
         require(0 < self.density <= 1, "method.density", self.density, "a float in (0, 1]")
         require(self.er_scale is None or self.er_scale > 0, "method.er_scale", self.er_scale, "null or > 0")
         require_choice("method.base_weights", self.base_weights, ("signed_constant", "pretrained"))
-        require_choice("method.inference", self.inference, ("one_shot", "binary"))
+        require_choice("method.inference", self.inference, ("one_shot", "binary", "lowest_entropy"))
         require(self.mask_lr is None or self.mask_lr > 0, "method.mask_lr", self.mask_lr, "null or a float > 0")
         require(self.score_decay >= 0, "method.score_decay", self.score_decay, "a float >= 0")
         require_choice("method.head", self.head, ("per_task", "masked"))
@@ -243,6 +244,8 @@ class SupSup(ScoredMaskMethod):
         """GG with a task id; GN without: infer each sample's task, then use that task's mask and head."""
         if task_id is not None:
             return self.task_logits(x, task_id)
+        if self.config.inference == "lowest_entropy":  # k forward passes, one a mask: the paper's exhaustive baseline
+            return self.lowest_entropy_task(self.every_task_logits(x))
         tasks = self.infer_task(x) if self.num_seen > 1 else torch.zeros(len(x), dtype=torch.long, device=x.device)
         out = x.new_full((len(x), sum(h.out_features for h in self.heads)), float("-inf"))
         for t in tasks.unique().tolist():
