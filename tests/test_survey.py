@@ -257,7 +257,9 @@ def test_apd_drift_of_an_earlier_task_falls_as_its_penalty_grows() -> None:
             run_task(method, task, rt, epochs=2)
             method.after_task(task)
         refs = {i: getattr(method, f"ref_{i}")[0] for i in range(len(method.layers))}
-        drifts.append(sum(float((la.theta(0).detach() - refs[i]).norm()) for i, la in enumerate(method.layers.values())))
+        drifts.append(
+            sum(float((la.theta(0).detach() - refs[i]).norm()) for i, la in enumerate(method.layers.values()))
+        )
     assert drifts[0] > drifts[1] > drifts[2], drifts
 
 
