@@ -19,24 +19,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("WANDB_SILENT", "true")
 
-# Every method, by its config name: TRAINED have a training step (SimpleCIL only observes).
-TRAINED = (
-    "finetune",
-    "joint",
-    "packnet",
-    "piggyback",
-    "supsup",
-    "hat",
-    "meat",
-    "l2p",
-    "dualprompt",
-    "coda_prompt",
-    "apd",
-    "ctr",
-    "ksm",
-    "tfm",
-)
-ALL_METHODS = (*TRAINED, "simplecil")
 
 # A run that takes about a second on 2 CPU cores: 3 synthetic tasks of 2 classes, a 1-block 16px ViT.
 TINY = [

@@ -20,9 +20,9 @@ from clbench.loop import train
 from clbench.loop.optim import lr_factor, schedulers_fill_tensor_rates
 from clbench.loop.runtime import Acceleration, acceleration, build_runtime, graph_blocker
 from clbench.loop.task import run_task
-from clbench.methods import meat
+from clbench.methods import TRAINED, meat
 from clbench.methods.finetune import Finetune
-from conftest import TRAINED, compose_config, tiny_config
+from conftest import compose_config, tiny_config
 
 METHODS = TRAINED
 CUDA = torch.device("cuda")  # a device object only: nothing below touches a GPU

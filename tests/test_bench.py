@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from clbench.bench.cli import measure, parse
-from conftest import TRAINED, attention_ops
+from clbench.methods import TRAINED
+from conftest import attention_ops
 
 KEYS = {"name", "backbone", "batch_size", "image_size", "images_per_s", "step_ms", "peak_mem_mb", "mfu"}
 TINY = ["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from clbench.methods import METHODS as ALL_METHODS
 from conftest import TINY, clbench, run_command
 
 
@@ -57,23 +58,7 @@ def test_help_lists_groups_and_examples(tmp_path: Path) -> None:
     out = clbench("--help", cwd=tmp_path)
     assert out.returncode == 0
     methods = next(line for line in out.stdout.splitlines() if line.startswith("method: "))
-    assert set(methods.removeprefix("method: ").split(", ")) == {
-        "finetune",
-        "joint",
-        "packnet",
-        "piggyback",
-        "supsup",
-        "hat",
-        "meat",
-        "l2p",
-        "dualprompt",
-        "coda_prompt",
-        "apd",
-        "ctr",
-        "ksm",
-        "tfm",
-        "simplecil",
-    }
+    assert set(methods.removeprefix("method: ").split(", ")) == set(ALL_METHODS)
     for text in (
         "== Config groups",
         "data: ",

@@ -23,7 +23,8 @@ from clbench.errors import ClbenchError, DataError, Interrupted
 from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import Runtime, build_runtime
-from conftest import ALL_METHODS, TINY, clbench, run_command, tiny_config, tiny_fit
+from clbench.methods import METHODS as ALL_METHODS
+from conftest import TINY, clbench, run_command, tiny_config, tiny_fit
 from test_resume import CHECKPOINTED, matrices
 
 TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")

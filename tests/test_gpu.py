@@ -36,9 +36,9 @@ from clbench.loop.optim import build_optimizer
 from clbench.loop.runtime import Runtime, build_runtime
 from clbench.loop.step import WARMUP_STEPS, train_step
 from clbench.loop.task import Hooks, PhaseRun, run_task
-from clbench.methods import meat
+from clbench.methods import TRAINED, meat
 from clbench.methods.base import Method
-from conftest import TINY, TRAINED, attention_ops, clbench, compose_config, run_command
+from conftest import TINY, attention_ops, clbench, compose_config, run_command
 
 METHODS = TRAINED
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm")

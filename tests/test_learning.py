@@ -16,8 +16,9 @@ import pytest
 from clbench.backbones.timm_vit import SHIPPED_WEIGHTS, WEIGHTS_DIR
 from clbench.config import validate
 from clbench.loop import train
+from clbench.methods import METHODS as ALL_METHODS
 from clbench.results import Results
-from conftest import ALL_METHODS, compose_config
+from conftest import compose_config
 
 # TIL forgetting 0: stored masks, prototypes, frozen units and norms
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "simplecil", "ksm", "tfm")

@@ -17,7 +17,8 @@ from clbench.errors import ConfigError
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
-from conftest import ALL_METHODS, TINY, clbench, compose_config, tiny_config
+from clbench.methods import METHODS as ALL_METHODS
+from conftest import TINY, clbench, compose_config, tiny_config
 
 
 def indexed_benchmark(per_class: list[int]) -> Benchmark:

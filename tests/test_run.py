@@ -15,9 +15,10 @@ from clbench.loop import train
 from clbench.loop.optim import lr_factor
 from clbench.loop.runtime import Runtime, build_runtime
 from clbench.loop.task import run_task
+from clbench.methods import TRAINED
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
-from conftest import TINY, TRAINED, compose_config, tiny_config, tiny_fit
+from conftest import TINY, compose_config, tiny_config, tiny_fit
 
 TASKS = 3
 

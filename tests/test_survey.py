@@ -65,9 +65,9 @@ def test_ksm_masks_each_kernel_as_transcribed_and_starts_from_the_backbone(group
     with torch.no_grad():
         plain = method.backbone.forward_head(method.backbone.forward_features(x), pre_logits=True)
         torch.testing.assert_close(method.features(x, 0), plain, rtol=0, atol=5e-3)
-    randomised(list(method.real.values()), seed=1, scale=2.0)
+    randomised(list(method.scores.values()), seed=1, scale=2.0)
     for name, layer in method.layers.items():
-        real = method.real[name.replace(".", "_")].detach()
+        real = method.scores[name.replace(".", "_")].detach()
         masked = layer.weight * method.mask_for(name, 0)
         if name == "patch_embed.proj":
             assert real.shape == layer.weight.shape[:2]
@@ -81,7 +81,7 @@ def test_ksm_masks_each_kernel_as_transcribed_and_starts_from_the_backbone(group
 def test_ksm_keeps_a_float16_soft_mask_per_kernel_and_refuses_a_group_that_does_not_divide() -> None:
     method, rt = started("ksm", "method.group=2")
     assert isinstance(method, KSM)
-    real = {k: v.detach().clone() for k, v in method.real.items()}
+    real = {k: v.detach().clone() for k, v in method.scores.items()}
     method.after_task(rt.benchmark.tasks[0])
     for name in method.layers:
         stored = method.kernel_mask(name, 0)

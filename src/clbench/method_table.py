@@ -24,24 +24,8 @@ from typing import Any
 
 from clbench.cli import config_dir
 from clbench.files import write_atomic
+from clbench.methods import METHODS
 
-# The README's order (reference points, the mask methods, the prompt methods, then anything new alphabetically).
-ORDER = (
-    "finetune",
-    "joint",
-    "packnet",
-    "piggyback",
-    "supsup",
-    "hat",
-    "meat",
-    "l2p",
-    "dualprompt",
-    "coda_prompt",
-    "apd",
-    "ctr",
-    "ksm",
-    "tfm",
-)
 SETTINGS = {"5 tasks": (), "3 tasks": ("data.num_tasks=3",)}
 COLUMNS = ("TIL final", "TIL forgetting", "CIL final", "CIL forgetting", "seconds")
 
@@ -49,7 +33,7 @@ COLUMNS = ("TIL final", "TIL forgetting", "CIL final", "CIL forgetting", "second
 def method_names() -> list[str]:
     """Every method config clbench ships, in the README's order."""
     names = {p.stem for p in (config_dir() / "method").glob("*.yaml")}
-    return [m for m in ORDER if m in names] + sorted(names - set(ORDER))
+    return [m for m in METHODS if m in names] + sorted(names - set(METHODS))  # the README's order, then the rest
 
 
 def measure(method: str, overrides: tuple[str, ...], folder: Path) -> dict[str, Any]:

@@ -19,23 +19,9 @@ import argparse
 import torch
 
 from clbench.bench.timing import Entry, Waits, compose
+from clbench.methods import TRAINED
 
-METHODS = (
-    "finetune",
-    "joint",
-    "packnet",
-    "piggyback",
-    "supsup",
-    "hat",
-    "meat",
-    "l2p",
-    "dualprompt",
-    "coda_prompt",
-    "apd",
-    "ctr",
-    "ksm",
-    "tfm",
-)
+METHODS = TRAINED  # every method with a training step
 PROMPTS = ("l2p", "dualprompt", "coda_prompt")  # held to L2P's step (frozen backbone, a query pass)
 # The rest of the mask survey (issue 25), reported apart from the slowest-method target the CUDA loop was held to:
 # APD carries T copies of every block Linear, CTR two capsule plugins a block.

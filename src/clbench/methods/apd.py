@@ -75,7 +75,9 @@ def hard_threshold(x: torch.Tensor, c: float) -> torch.Tensor:
     return x * (x.abs() > c)
 
 
-def consolidate(full: list[torch.Tensor], labels: list[int], e_gap: float) -> tuple[dict[int, torch.Tensor], list]:
+def consolidate(
+    full: list[torch.Tensor], labels: list[int], e_gap: float
+) -> tuple[dict[int, torch.Tensor], list[torch.Tensor]]:
     """``aw_consolidation`` for one layer: ``full[j]`` = tau_j + its current tau~. A cluster of >= 2 tasks shares
     tau~ = (max + min) / 2 where max - min <= e_gap (0 elsewhere) and each member keeps full_j where the gap is larger;
     a task alone in its cluster keeps its full tensor. Returns ({cluster: tau~}, [new tau_j])."""

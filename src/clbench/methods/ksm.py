@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from clbench.config import require
-from clbench.data import Task
-from clbench.methods.masked_method import MaskedMethod
+from clbench.methods.masked_method import ScoredMaskMethod
 from clbench.methods.masking import DEFAULT_TARGETS, MaskedConv2d, MaskedLayer, buffer_name
 
 STORED_DTYPE = torch.float16  # the soft mask kept per task
@@ -80,8 +78,9 @@ def expand(mask: torch.Tensor, layer: MaskedLayer, group: int) -> torch.Tensor:
     return mask.repeat_interleave(group, dim=1) if group > 1 else mask
 
 
-class KSM(MaskedMethod):
-    """Kernel-wise soft masks (reconstructed, see the module docstring); results.json marks it ``reconstructed``."""
+class KSM(ScoredMaskMethod):
+    """Kernel-wise soft masks (reconstructed, see the module docstring); results.json marks it ``reconstructed``. The
+    scores are the real masks M^r, one a kernel; the soft mask, not a binary one, multiplies the weights."""
 
     Config = KSMConfig
     reconstructed = True
@@ -91,16 +90,19 @@ class KSM(MaskedMethod):
         for name, layer in self.layers.items():
             if not isinstance(layer, MaskedConv2d) and layer.weight.shape[1] % self.config.group:
                 raise ValueError(f"method.group={self.config.group} does not divide {name}'s {layer.weight.shape[1]}")
-        self.real = nn.ParameterDict()  # the current task's real masks M^r, one tensor per layer
 
     def soft(self, real: torch.Tensor) -> torch.Tensor:
         return soft_mask(real, self.config.temperature, self.config.alpha, self.config.init)
 
-    def before_task(self, task: Task) -> None:
-        super().before_task(task)
-        for name, layer in self.layers.items():
-            shape = kernel_shape(layer, self.config.group)
-            self.real[buffer_name(name)] = nn.Parameter(torch.full(shape, self.config.init, device=layer.weight.device))
+    def init_scores(self, layer: MaskedLayer) -> torch.Tensor:
+        return torch.full(kernel_shape(layer, self.config.group), self.config.init, device=layer.weight.device)
+
+    def binarize(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        """The soft mask M broadcast to the layer's weight (no binarisation, no straight-through)."""
+        return expand(self.soft(scores), self.layers[name], self.config.group)
+
+    def final_mask(self, name: str, scores: torch.Tensor) -> torch.Tensor:
+        return self.soft(scores)  # kept a value a kernel
 
     def stored_mask(self, name: str, task_id: int) -> torch.Tensor | None:
         mask = self.kernel_mask(name, task_id)
@@ -108,27 +110,6 @@ class KSM(MaskedMethod):
 
     def store_mask(self, name: str, task_id: int, mask: torch.Tensor) -> None:
         self.register_buffer(f"mask_{task_id}_{buffer_name(name)}", mask.detach().to(STORED_DTYPE))
-
-    def mask_for(self, name: str, task_id: int) -> torch.Tensor | None:
-        stored = self.stored_mask(name, task_id)
-        if stored is not None:
-            return stored
-        if task_id == self.num_seen - 1 and buffer_name(name) in self.real:
-            return expand(self.soft(self.real[buffer_name(name)]), self.layers[name], self.config.group)
-        return None
-
-    def param_groups(self, task: Task, phase: Any) -> list[dict[str, Any]]:
-        masks: dict[str, Any] = {"params": list(self.real.values()), "weight_decay": 0.0}
-        if self.config.mask_lr is not None:
-            masks["lr"] = self.config.mask_lr
-        return [*super().param_groups(task, phase), masks]
-
-    @torch.no_grad()
-    def after_task(self, task: Task) -> None:
-        super().after_task(task)
-        for name in self.layers:
-            self.store_mask(name, task.id, self.soft(self.real[buffer_name(name)]))
-        self.real.clear()
 
     # ----------------------------------------------------------------------------- bookkeeping
     def mask_bits_per_task(self) -> int:

@@ -151,9 +151,9 @@ class SupSup(ScoredMaskMethod):
 
     def restore_head(self, saved: dict[str, torch.Tensor]) -> None:
         if self.config.head == "per_task":
-            return super().restore_head(saved)
-        self.add_head(int(saved["out_features"])).finish(saved["mask"].to(self.output_weight.device))
-        return None
+            super().restore_head(saved)
+        else:
+            self.add_head(int(saved["out_features"])).finish(saved["mask"].to(self.output_weight.device))
 
     def output_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
         """Every output neuron of the masked output layer under task ``task_id``'s mask (superfluous ones too)."""

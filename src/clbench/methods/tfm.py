@@ -71,9 +71,9 @@ class TaskLayerNorm(nn.Module):
 
     def add_task(self) -> None:
         """A new task's affine, a copy of the last task's (the pretrained one for the first)."""
-        source = self.pretrained if not len(self.weights) else None
-        weight = source.weight if source is not None else self.weights[-1]
-        bias = source.bias if source is not None else self.biases[-1]
+        first = not len(self.weights)
+        weight = self.pretrained.weight if first else self.weights[-1]
+        bias = self.pretrained.bias if first else self.biases[-1]
         self.weights.append(nn.Parameter(weight.detach().clone()))
         self.biases.append(nn.Parameter(bias.detach().clone()))
 
