@@ -158,8 +158,8 @@ def topk_mask(scores: torch.Tensor, density: float) -> torch.Tensor:
     k = max(1, round(density * scores.numel()))
     magnitude = scores.abs()
     flat = magnitude.detach().flatten()
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    keep[flat.topk(k, sorted=False).indices] = True
+    top = flat.topk(k, sorted=False).indices  # scattered, not index-assigned: `keep[top] = True` copies a host scalar
+    keep = torch.zeros_like(flat, dtype=torch.bool).scatter_(0, top, torch.ones_like(top, dtype=torch.bool))
     return StraightThrough.apply(magnitude, keep.view_as(scores))
 
 
