@@ -20,7 +20,7 @@ from clbench.loop import train
 from clbench.loop.optim import lr_factor, schedulers_fill_tensor_rates
 from clbench.loop.runtime import Acceleration, acceleration, build_runtime, graph_blocker
 from clbench.loop.task import run_task
-from clbench.methods import TRAINED, meat
+from clbench.methods import TRAINED
 from clbench.methods.finetune import Finetune
 from conftest import compose_config, tiny_config
 
@@ -89,15 +89,13 @@ def stepped(method_name: str, compiled: bool) -> dict[str, torch.Tensor]:
 def test_a_compiled_epoch_equals_the_eager_one(method_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor on the CPU, a whole epoch (HAT's s annealed batch by batch through its tensor): the same parameters
     to fp32 rounding, and a graph really compiled."""
-    from test_gpu import deterministic_gumbel
+    from test_gpu import assert_states_agree, without_noise
 
-    monkeypatch.setattr(meat, "hard_gumbel_keep", deterministic_gumbel)
+    without_noise(monkeypatch)
     before = counters["stats"]["unique_graphs"]
     compiled = stepped(method_name, True)
     assert counters["stats"]["unique_graphs"] > before
-    eager = stepped(method_name, False)
-    for key, value in eager.items():
-        torch.testing.assert_close(compiled[key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert_states_agree(stepped(method_name, False), compiled)
 
 
 def test_full_batches_take_the_compiled_loss_and_the_last_batch_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:

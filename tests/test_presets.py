@@ -38,7 +38,7 @@ def first_step(method: Method, rt: Runtime) -> torch.Tensor:
     method.before_task(task)
     phase = method.phases(task, cfg.trainer.epochs)[0]
     method.before_phase(task, phase)
-    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer)
+    optimizer = build_optimizer(method, task, phase, cfg.trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)
     return train_step(method, task, rt, x, y, optimizer=optimizer, params=params)[0]

@@ -221,7 +221,7 @@ def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> No
         method_obj.before_task(task)
         phase = method_obj.phases(task, 1)[0]
         method_obj.before_phase(task, phase)
-        optimizer = build_optimizer(method_obj, method_obj.param_groups(task, phase), cfg.trainer)
+        optimizer = build_optimizer(method_obj, task, phase, cfg.trainer)
         trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
         method_obj.zero_grad(set_to_none=True)
         x, y = rt.benchmark.train[task.id].batch(None, 0, 8)

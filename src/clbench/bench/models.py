@@ -69,7 +69,7 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
     method.before_task(task)
     phase = method.phases(task, 1)[0]
     method.before_phase(task, phase)
-    optimizer = build_optimizer(method, method.param_groups(task, phase), cfg.trainer, capturable=rt.accel.graphs)
+    optimizer = build_optimizer(method, task, phase, cfg.trainer, capturable=rt.accel.graphs)
     rates_on_device(optimizer, rt.device)
     stepper = Stepper(method, task, rt, optimizer)
     split = rt.benchmark.train[0]

@@ -15,20 +15,22 @@ from typing import Any
 import torch
 
 from clbench.config import TrainerConfig
+from clbench.data.benchmark import Task
 from clbench.methods import Method
+from clbench.methods.base import Phase
 
 
 def build_optimizer(
-    method: Method, groups: list[dict[str, Any]], cfg: TrainerConfig, *, capturable: bool = False
+    method: Method, task: Task, phase: Phase, cfg: TrainerConfig, *, capturable: bool = False
 ) -> torch.optim.Optimizer:
-    """One optimizer over the method's groups. A group without ``weight_decay`` gets ``trainer.weight_decay``
-    except on biases, norms and position/class tokens; the batch-size scaling rule applies to every lr. On CUDA the
-    optimizer is fused (its state and step count live on the device), and ``capturable`` where its step is captured
-    in a CUDA graph (torch warns that it slows an uncaptured step)."""
+    """One optimizer over the method's groups for ``phase`` of ``task``. A group without ``weight_decay`` gets
+    ``trainer.weight_decay`` except on biases, norms and position/class tokens; the batch-size scaling rule applies to
+    every lr. On CUDA the optimizer is fused (its state and step count live on the device), and ``capturable`` where
+    its step is captured in a CUDA graph (torch warns that it slows an uncaptured step)."""
     scale = cfg.batch_size / cfg.lr_scale_batch if cfg.lr_scale_batch else 1.0
     exempt = method.no_weight_decay_ids()
     final: list[dict[str, Any]] = []
-    for group in groups:
+    for group in method.param_groups(task, phase):
         params = [p for p in group["params"] if p.requires_grad]
         base = {**group, "lr": group.get("lr", cfg.lr) * scale}
         if "weight_decay" in group:

@@ -99,7 +99,7 @@ class PhaseRun:
         self.method, self.task, self.phase, self.index = method, task, phase, index
         self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
         self.per_epoch = split.num_batches(cfg.batch_size)
-        self.optimizer = build_optimizer(method, method.param_groups(task, phase), cfg, capturable=rt.accel.graphs)
+        self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
         total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)
         self.plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
