@@ -97,3 +97,31 @@ def test_streaming_memory_stays_flat_while_the_device_store_grows(tmp_path, monk
     peak = {name: measure(args, name)["peak_mem_mb"] for name in ("data/stream_x10", "data/device_x10")}
     held = 10 * 2000 * 3 * 32 * 32 / 2**20  # MiB of images the device store keeps
     assert peak["data/device_x10"] - peak["data/stream_x10"] > 0.8 * held
+
+
+def test_resume_keeps_what_was_measured_and_measures_the_rest(tmp_path) -> None:
+    """bench.json is rewritten after every entry; ``--resume`` keeps its error-free entries measured with the same
+    settings, re-measures the failed ones, and refuses a file measured otherwise; ``--time-limit`` stops before an
+    entry would run past it, with what was measured written."""
+    import json
+
+    from clbench.bench.cli import main, settings
+
+    out = tmp_path / "bench.json"
+    argv = [*TINY, "--methods", "reference/timm_inference", "finetune", "--out", str(out), "--resume"]
+    kept = dict.fromkeys(KEYS, 1.0) | {"name": "reference/timm_inference", "gflops_per_step": 1.0, "data_ms": None}
+    failed = {"name": "finetune", "error": "RuntimeError: killed"}
+    out.write_text(json.dumps({"settings": settings(parse(argv)), "results": [kept, failed]}))
+    main(argv)
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["settings"] == settings(parse(argv))
+    first, second = report["results"]
+    assert first == kept  # not measured again
+    assert second["name"] == "finetune" and second["step_ms"] > 0 and second["wall_s"] >= 0
+    out.write_text(json.dumps({"settings": settings(parse(argv)), "results": [kept]}))
+    with pytest.raises(SystemExit) as stopped:  # no time left: nothing started, what was kept is written
+        main([*argv, "--time-limit", "1e-9"])
+    report = json.loads(out.read_text())
+    assert stopped.value.code == 3 and not report["complete"] and report["results"] == [kept]
+    with pytest.raises(SystemExit, match="was measured with"):
+        main([*argv[: argv.index("--methods")], "--batch-size", "8", *argv[argv.index("--methods") :]])

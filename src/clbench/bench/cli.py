@@ -20,6 +20,7 @@ import resource
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -149,6 +150,18 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the entries --out already holds (same settings, no error) and measure the rest",
+    )
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="seconds: start no entry that the longest one so far would carry past it; exit 3 with what is measured "
+        "written (go on with --resume)",
+    )
     args = parser.parse_args(argv)
     known = [*METHODS, *REFERENCES, *INFERENCE, *bench_data.DATA, *bench_data.MEMORY]
     unknown = set(args.methods) - set(known)
@@ -168,36 +181,92 @@ def main(argv: list[str] | None = None) -> None:
             shutil.rmtree(args.data_dir, ignore_errors=True)
 
 
-def run_entries(args: argparse.Namespace) -> None:
-    from rich.table import Table
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What makes two benches' entries comparable: kept in bench.json, checked by ``--resume``."""
+    keys = ("backbone", "image_size", "batch_size", "device", "precision", "compile", "cuda_graphs")
+    keys += ("warmup", "steps", "repeats")
+    return {key: getattr(args, key) for key in keys}
 
-    from clbench.files import write_atomic
+
+def measured_before(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """``--resume``: the entries ``--out`` already holds without an error, if it was measured with these settings."""
+    if not args.resume or not args.out.exists():
+        return {}
+    try:
+        report = json.loads(args.out.read_text())
+        before, results = report["settings"], report["results"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        sys.exit(f"--resume: {args.out} is not a bench report ({err}); move it away or drop --resume")
+    if before != settings(args):
+        sys.exit(f"--resume: {args.out} was measured with {before}, not {settings(args)}; move it away")
+    return {r["name"]: r for r in results if "error" not in r}
+
+
+def run_entries(args: argparse.Namespace) -> None:
     from clbench.tracking import console
 
     if set(args.methods) & set(bench_data.DATA):
         bench_data.prepare(args)
+    done = measured_before(args)
+    todo = [name for name in args.methods if name not in done]
+    if done:
+        console.print(f"--resume: {len(done)} entries kept from {args.out}, {len(todo)} to measure")
     ctx = mp.get_context("spawn")
-    rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in args.methods}
+    rounds: dict[str, list[dict[str, Any]]] = {name: [done[name]] if name in done else [] for name in args.methods}
+    began, longest = time.perf_counter(), 0.0
     for r in range(args.rounds):
-        for name in args.methods:
+        for name in todo:
+            if args.time_limit and time.perf_counter() - began + longest > args.time_limit:
+                left = sum(len(rounds[n]) <= r for n in todo) + len(todo) * (args.rounds - r - 1)
+                console.print(f"--time-limit: stopped, {left} measurements to go (--resume goes on from here)")
+                write_report(args, [median_round(e) for e in rounds.values() if e], complete=False)
+                sys.exit(3)
             queue = ctx.Queue()
+            start = time.perf_counter()
             proc = ctx.Process(target=_child, args=(args, name, queue))
             proc.start()
             proc.join()
             entry = queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"}
+            entry["wall_s"] = round(time.perf_counter() - start, 1)  # the whole entry: start-up, compiling, timing
+            longest = max(longest, entry["wall_s"])
             rounds[name].append(entry)
-            console.print(f"round {r + 1}/{args.rounds} {name}: {entry.get('step_ms', entry.get('error'))}")
+            shown = f"{entry['step_ms']} ms a step" if "step_ms" in entry else entry["error"]
+            console.print(f"round {r + 1}/{args.rounds} {name}: {shown} ({entry['wall_s']} s)")
+            write_report(args, [median_round(e) for e in rounds.values() if e], complete=False)
     results = [median_round(entries) for entries in rounds.values()]
+    report = write_report(args, results, complete=True)
+    show(args, report)
+    if any("error" in r for r in results):
+        sys.exit(1)
+
+
+def write_report(args: argparse.Namespace, results: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
+    """bench.json, rewritten atomically after every entry: a bench stopped midway keeps what it measured, and
+    ``--resume`` goes on from there."""
+    from clbench.files import write_atomic
+
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
-    label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    ratios = target_ratios(results)
     report = {
-        "device": label,
+        "device": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
         "peak_bf16_flops": peak_flops(device, args.peak_flops),
+        "settings": settings(args),
+        "complete": complete,
         "results": results,
-        "target_ratios": ratios,
+        "target_ratios": target_ratios(results),
     }
     write_atomic(args.out, json.dumps(report, indent=2))
+    return report
+
+
+def show(args: argparse.Namespace, report: dict[str, Any]) -> None:
+    """The report as a table, with the target ratios."""
+    from rich.table import Table
+
+    from clbench.tracking import console
+
+    results, ratios, label = report["results"], report["target_ratios"], report["device"]
     table = Table(title=f"clbench bench on {label} ({args.backbone}, batch {args.batch_size}, {args.image_size}px)")
     for column in ("entry", "images/s", "step ms", "data %", "GFLOP", "peak MB", "MFU", "vs timm_train"):
         table.add_column(column, justify="left" if column == "entry" else "right", no_wrap=column == "entry")
@@ -214,8 +283,6 @@ def run_entries(args: argparse.Namespace) -> None:
     console.print(table, width=max(console.width, 140))  # a SLURM log or a pipe gets every column
     console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
     console.print("targets: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
-    if any("error" in r for r in results):
-        sys.exit(1)
 
 
 if __name__ == "__main__":
