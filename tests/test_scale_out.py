@@ -22,8 +22,12 @@ def results(folder: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(folder.glob("[0-9]*/results.json"))]
 
 
-@pytest.mark.parametrize(
-    "launcher", [("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"), ("hydra/launcher=submitit_local",)]
+@pytest.mark.parametrize(  # submitit's local launcher in test-all (14 s): the default suite keeps joblib's
+    "launcher",
+    [
+        ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2"),
+        pytest.param(("hydra/launcher=submitit_local",), marks=pytest.mark.slow),
+    ],
 )
 def test_parallel_launchers_run_every_job_grouped_in_wandb(tmp_path: Path, launcher: tuple[str, ...]) -> None:
     sweep = tmp_path / "sweep"
@@ -72,8 +76,8 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
     assert len({r["method_config"]["lam"] for r in runs}) == 3  # the sampler really varied lam
 
 
-@pytest.mark.parametrize(
-    "method", ["finetune", "meat", *(pytest.param(m, marks=pytest.mark.slow) for m in ("dualprompt", "coda_prompt"))]
+@pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all
+    "method", ["finetune", *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt"))]
 )
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too

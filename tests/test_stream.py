@@ -213,6 +213,7 @@ def test_a_streamed_run_and_its_resume_match_the_device_store(tmp_path: Path, mo
     assert matrices(tmp_path / "cut" / "results.json") == expected
 
 
+@pytest.mark.slow  # 30 s: two gloo processes; a streamed run and its resume stay in the default suite
 def test_two_gloo_ranks_streaming_their_shares_equal_two_ranks_on_the_device_store(tmp_path: Path) -> None:
     """Each rank reads its share of every batch, and with mixup (finetune, loss over the task's classes, an even
     batch) also the rows it is mixed with: the accuracy matrices are exactly those of the device store."""
