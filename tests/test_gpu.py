@@ -464,7 +464,7 @@ def test_without_cuda_the_gpu_suite_skips_cleanly_and_gpu_check_says_why(tmp_pat
     assert suite.returncode == 0, suite.stdout[-2000:]
     assert "passed" not in suite.stdout and " skipped" in suite.stdout  # collected, every one skipped
     for target in ("gpu-test-steps", "gpu-test-runs", "gpu-bench", "gpu-bench-micro", "gpu-l2p"):  # each checks first
-        first_line = run_command("make", "-n", target, cwd=root).stdout.splitlines()[0]
+        first_line = run_command("make", "-n", "--no-print-directory", target, cwd=root).stdout.splitlines()[0]
         assert "torch.cuda.is_available()" in first_line and f"make {target} needs a CUDA GPU" in first_line
     for target, first in (("gpu-check", "gpu-test-steps"), ("gpu-bench-micro", "gpu-bench-micro")):  # and says why
         make = run_command("make", "-s", target, f"GPU_PY={sys.executable}", cwd=root)
