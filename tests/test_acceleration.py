@@ -89,13 +89,16 @@ def stepped(method_name: str, compiled: bool) -> dict[str, torch.Tensor]:
 def test_a_compiled_epoch_equals_the_eager_one(method_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Inductor on the CPU, a whole epoch (HAT's s annealed batch by batch through its tensor): the same parameters
     to fp32 rounding, and a graph really compiled."""
-    from test_gpu import assert_states_agree, without_noise
+    from test_gpu import comparable, without_noise
 
     without_noise(monkeypatch)
     before = counters["stats"]["unique_graphs"]
     compiled = stepped(method_name, True)
     assert counters["stats"]["unique_graphs"] > before
-    assert_states_agree(stepped(method_name, False), compiled)
+    for key, value in stepped(method_name, False).items():  # the attention key bias aside: its gradient is exactly 0
+        torch.testing.assert_close(
+            comparable(key, compiled[key]), comparable(key, value), rtol=1e-4, atol=1e-5, msg=key
+        )
 
 
 def test_full_batches_take_the_compiled_loss_and_the_last_batch_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:

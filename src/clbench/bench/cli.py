@@ -183,8 +183,18 @@ def main(argv: list[str] | None = None) -> None:
 
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     """What makes two benches' entries comparable: kept in bench.json, checked by ``--resume``."""
-    keys = ("backbone", "image_size", "batch_size", "device", "precision", "compile", "cuda_graphs")
-    keys += ("warmup", "steps", "repeats")
+    keys = [
+        "backbone",
+        "image_size",
+        "batch_size",
+        "device",
+        "precision",
+        "compile",
+        "cuda_graphs",
+        "warmup",
+        "steps",
+        "repeats",
+    ]
     return {key: getattr(args, key) for key in keys}
 
 
@@ -246,10 +256,9 @@ def write_report(args: argparse.Namespace, results: list[dict[str, Any]], comple
     from clbench.files import write_atomic
 
     device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
+    label = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
     report = {
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else f"cpu ({torch.get_num_threads()} threads)",
+        "device": label,
         "peak_bf16_flops": peak_flops(device, args.peak_flops),
         "settings": settings(args),
         "complete": complete,

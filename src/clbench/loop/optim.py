@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from clbench.config import TrainerConfig
-from clbench.data.benchmark import Task
+from clbench.data import Task
 from clbench.methods import Method
 from clbench.methods.base import Phase
 
