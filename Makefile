@@ -22,7 +22,7 @@ run: $(STAMP)  ## the embedded default: finetune on sklearn digits (5 tasks), vi
 	$(VENV)/bin/clbench $(ARGS)
 
 test: $(STAMP)  ## the fast test suite (minutes on 2 CPU cores)
-	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q $(ARGS)
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q --durations=15 $(ARGS)
 
 test-all: $(STAMP)  ## every test, slow ones included
 	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -m 'not gpu' $(ARGS)
