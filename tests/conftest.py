@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,15 +38,16 @@ TINY = [
 
 
 def run_command(*command: str, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """A command as a user runs it, offline and unbuffered, with temporary files (torchrun's, W&B's) kept in
-    ``cwd/.scratch``; ``env`` adds variables. The exit code is what the tests check; one still running after
+    """A command as a user runs it, offline and unbuffered, with temporary files (torchrun's, W&B's) in a
+    temporary folder of its own, removed after it; ``env`` adds variables. The folder sits in the system's temporary
+    folder, not under ``cwd``: a socket path (the data stream's forkserver) must stay under 108 characters, and a
+    pytest-xdist worker's ``tmp_path`` is longer. The exit code is what the tests check; one still running after
     ``timeout`` seconds fails the test."""
-    scratch = cwd / ".scratch"
-    scratch.mkdir(parents=True, exist_ok=True)
-    offline = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TMPDIR": str(scratch)}
-    return subprocess.run(  # noqa: PLW1510
-        command, cwd=cwd, env={**os.environ, **offline, **env}, capture_output=True, text=True, timeout=timeout
-    )
+    with tempfile.TemporaryDirectory(prefix="clbench-") as scratch:
+        offline = {"HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline", "PYTHONUNBUFFERED": "1", "TMPDIR": scratch}
+        return subprocess.run(  # noqa: PLW1510
+            command, cwd=cwd, env={**os.environ, **offline, **env}, capture_output=True, text=True, timeout=timeout
+        )
 
 
 def clbench(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:

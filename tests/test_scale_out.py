@@ -116,7 +116,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
             assert torch.equal(value, two_state[key]), key
     # only rank 0 writes: one run folder, one W&B run, nothing in the working directory
     assert len(list((tmp_path / "two" / "wandb").glob("offline-run-*"))) == 1
-    assert {p.name for p in tmp_path.iterdir()} - {"wandb_cache", "wandb_config", ".scratch"} == {"one", "two"}
+    assert {p.name for p in tmp_path.iterdir()} - {"wandb_cache", "wandb_config"} == {"one", "two"}
 
 
 def test_torchrun_refuses_a_multirun(tmp_path: Path) -> None:
