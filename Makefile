@@ -22,11 +22,11 @@ run: $(STAMP)  ## the embedded default: finetune on sklearn digits (5 tasks), vi
 	$(VENV)/bin/clbench $(ARGS)
 
 # Tests run in parallel (pytest-xdist), a worker a core (4 at most), each with one torch thread: on 2 cores this took
-# the default suite from 14:57 (one process, two threads) to 11:46.
+# the default suite from 14:57 (one process, two threads) to 11:46 and 12:30 (two runs).
 TEST_ENV = HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1
 TEST_PAR = -n auto --maxprocesses 4
 
-test: $(STAMP)  ## the fast test suite (about 12 minutes on 2 CPU cores)
+test: $(STAMP)  ## the fast test suite (about 13 minutes on 2 CPU cores)
 	$(TEST_ENV) $(PY) -m pytest -q $(TEST_PAR) --durations=15 $(ARGS)
 
 test-all: $(STAMP)  ## every test, slow ones included
