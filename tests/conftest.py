@@ -55,6 +55,13 @@ def clbench(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     return run_command(sys.executable, "-m", "clbench", *args, cwd=cwd, **env)
 
 
+def torchrun(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=NPROC -m clbench ARGS``: the single-node launch, whose rendezvous takes
+    a free port, so that runs of parallel test workers do not meet on torchrun's default port 29500."""
+    launcher = str(Path(sys.executable).with_name("torchrun"))
+    return run_command(launcher, "--standalone", f"--nproc_per_node={nproc}", "-m", "clbench", *args, cwd=cwd)
+
+
 def fused_attention_ops() -> tuple[str, ...]:
     """The aten operators of every fused backend ``F.scaled_dot_product_attention`` may dispatch to, named after
     torch's own list of backends (``SDPBackend``: flash, memory-efficient, cuDNN, ...; the unfused math path and the

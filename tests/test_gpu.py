@@ -38,7 +38,7 @@ from clbench.loop.step import WARMUP_STEPS, train_step
 from clbench.loop.task import Hooks, PhaseRun, run_task
 from clbench.methods import TRAINED, ctr, meat
 from clbench.methods.base import Method
-from conftest import TINY, attention_ops, clbench, compose_config, run_command
+from conftest import TINY, attention_ops, clbench, compose_config, run_command, torchrun
 
 METHODS = TRAINED
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm")
@@ -390,9 +390,7 @@ def test_one_process_nccl_ddp_equals_the_plain_run(tmp_path: Path) -> None:
     overrides = (*TINY, "method=meat", "trainer.device=cuda", "logger.mode=disabled")
     plain = clbench(*overrides, f"hydra.run.dir={tmp_path / 'plain'}", cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
-    ddp_dir = f"hydra.run.dir={tmp_path / 'ddp'}"
-    ddp = run_command(torchrun, "--nproc_per_node=1", "-m", "clbench", *overrides, ddp_dir, cwd=tmp_path)
+    ddp = torchrun(1, *overrides, f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)
     assert ddp.returncode == 0, ddp.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "ddp"))
     assert b["status"] == "finished" and a["acc_matrix"] == b["acc_matrix"]

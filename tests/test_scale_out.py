@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from clbench.comparable import setting_name
-from conftest import TINY, clbench, run_command, tiny_fit
+from conftest import TINY, clbench, tiny_fit, torchrun
 
 SHORT = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
 
@@ -90,16 +89,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
     )
     one = clbench(*overrides, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
     assert one.returncode == 0, one.stderr[-3000:]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    two = run_command(
-        str(torchrun),
-        "--nproc_per_node=2",
-        "-m",
-        "clbench",
-        *overrides,
-        f"hydra.run.dir={tmp_path / 'two'}",
-        cwd=tmp_path,
-    )
+    two = torchrun(2, *overrides, f"hydra.run.dir={tmp_path / 'two'}", cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two"))
     assert b["status"] == "finished"
@@ -120,6 +110,5 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
 
 
 def test_torchrun_refuses_a_multirun(tmp_path: Path) -> None:
-    torchrun = Path(sys.executable).with_name("torchrun")
-    out = run_command(str(torchrun), "--nproc_per_node=2", "-m", "clbench", "-m", *SHORT, "seed=0,1", cwd=tmp_path)
+    out = torchrun(2, "-m", *SHORT, "seed=0,1", cwd=tmp_path)
     assert out.returncode != 0 and "run sweeps with -m without torchrun" in out.stderr

@@ -24,7 +24,7 @@ from clbench.distributed import Ranks
 from clbench.errors import DataError
 from clbench.loop import step as step_module
 from clbench.loop import train
-from conftest import TINY, run_command, tiny_config
+from conftest import TINY, tiny_config, torchrun
 from test_folders import folder_config, write_image_folder
 from test_resume import matrices
 
@@ -217,12 +217,11 @@ def test_a_streamed_run_and_its_resume_match_the_device_store(tmp_path: Path, mo
 def test_two_gloo_ranks_streaming_their_shares_equal_two_ranks_on_the_device_store(tmp_path: Path) -> None:
     """Each rank reads its share of every batch, and with mixup (finetune, loss over the task's classes, an even
     batch) also the rows it is mixed with: the accuracy matrices are exactly those of the device store."""
-    torchrun = str(Path(sys.executable).with_name("torchrun"))
     overrides = (*TINY, "method.loss_scope=task", "trainer.mixup=0.8", "trainer.batch_size=32", "data.val_fraction=0.2")
     stream = ("data.store=stream", f"data.cache_dir={tmp_path / 'cache'}", "data.stream_workers=1")
     for name, extra in (("device", ()), ("stream", stream)):
         folder = f"hydra.run.dir={tmp_path / name}"
-        out = run_command(torchrun, "--nproc_per_node=2", "-m", "clbench", *overrides, *extra, folder, cwd=tmp_path)
+        out = torchrun(2, *overrides, *extra, folder, cwd=tmp_path)
         assert out.returncode == 0, out.stderr[-3000:]
     a, b = (matrices(tmp_path / d / "results.json") for d in ("device", "stream"))
     assert b["status"] == "finished" and a == b
