@@ -277,6 +277,37 @@ class LoggerConfig:
 
 
 @dataclass
+class MemoryConfig:
+    """A rehearsal memory of training images (``memory=none``: no budget, no memory). ``per_class``: every seen class
+    keeps exactly that many images (the memory grows to per_class x the benchmark's classes: L2P Table 1's buffer
+    sizes); ``size``: a fixed total from the first task on, shared by the seen classes (reservoir: by the stream)."""
+
+    sampler: str = "auto"  # auto (the method's paper's) | reservoir | uniform | balanced | herding | greedy
+    per_class: int | None = None
+    size: int | None = None
+    batch_size: int | None = None  # memory images a replayed draw adds to each step (null: trainer.batch_size)
+
+    def __post_init__(self) -> None:
+        require_choice("memory.sampler", self.sampler, ("auto", *SAMPLERS))
+        for key in ("per_class", "size", "batch_size"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, f"memory.{key}", value, "null or an integer >= 1")
+        require(
+            self.per_class is None or self.size is None,
+            "memory.size",
+            self.size,
+            f"null with memory.per_class={self.per_class} (a budget is per_class or size, not both)",
+        )
+
+    @property
+    def active(self) -> bool:
+        return self.per_class is not None or self.size is not None
+
+
+SAMPLERS = ("reservoir", "uniform", "balanced", "herding", "greedy")
+
+
+@dataclass
 class RunConfig:
     """Everything a run needs, typed; ``method`` is the method's own ``Config`` instance."""
 
@@ -284,6 +315,7 @@ class RunConfig:
     backbone: BackboneConfig
     trainer: TrainerConfig
     logger: LoggerConfig
+    memory: MemoryConfig
     method: Any
     method_target: str
     seed: int = 0
@@ -292,7 +324,13 @@ class RunConfig:
     objective_on_test: bool = False  # let `objective` read a test metric (selection on test: opt-in, warned)
 
 
-GROUPS = {"data": DataConfig, "backbone": BackboneConfig, "trainer": TrainerConfig, "logger": LoggerConfig}
+GROUPS = {
+    "data": DataConfig,
+    "backbone": BackboneConfig,
+    "trainer": TrainerConfig,
+    "logger": LoggerConfig,
+    "memory": MemoryConfig,
+}
 
 
 def register_schemas() -> None:
@@ -350,6 +388,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         raise ConfigError(f"`method._target_`={target!r} cannot be imported: {err}") from None
     params = OmegaConf.masked_copy(method_node, [k for k in method_node if k != "_target_"])
     method = _typed(method_cls.Config, params, "method")
+    check_memory(groups["memory"], method_cls)
     seed = cfg.get("seed", 0)
     require(isinstance(seed, int) and 0 <= seed < 2**32, "seed", seed, "an integer in [0, 2**32) (NumPy's seed range)")
     resume = cfg.get("resume", False)
@@ -386,6 +425,35 @@ def validate(cfg: DictConfig) -> RunConfig:
         resume=resume,
         objective=None if objective is None else str(objective),
         objective_on_test=on_test,
+    )
+
+
+def memory_sampler(memory: MemoryConfig, method_cls: type) -> str:
+    """The sampler a run's memory uses: ``memory.sampler``, or the method's paper's for ``auto``."""
+    return method_cls.memory_sampler if memory.sampler == "auto" else memory.sampler
+
+
+def check_memory(memory: MemoryConfig, method_cls: type) -> None:
+    """A budget only for a method that can replay; a method that needs a memory gets one; DER++'s logits come from
+    the reservoir, which stores them during the step."""
+    name = method_cls.__name__
+    if memory.active and method_cls.memory_sampler is None:
+        key, value = ("per_class", memory.per_class) if memory.per_class is not None else ("size", memory.size)
+        raise ConfigError(
+            f"Invalid value for `memory.{key}`: {value}. Allowed: null (memory=none) with {name}, which has no use for "
+            "a rehearsal memory (methods that replay: er, derpp, gdumb, bic, l2p)."
+        )
+    require(
+        memory.active or not method_cls.needs_memory,
+        "memory.per_class",
+        None,
+        f"an integer >= 1 (or memory.size): {name} rehearses from a memory and needs a budget",
+    )
+    require(
+        not (memory.active and method_cls.memory_logits and memory_sampler(memory, method_cls) != "reservoir"),
+        "memory.sampler",
+        memory.sampler,
+        f"auto or reservoir with {name}: the logits it replays are stored during the training step",
     )
 
 

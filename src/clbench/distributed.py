@@ -58,6 +58,23 @@ class Ranks:
             dist.all_reduce(tensor)
         return tensor
 
+    def complete_rows(self, batch: torch.Tensor) -> torch.Tensor:
+        """A streamed batch whose rows each rank read only in part (the others zero) made whole on every rank: the
+        element-wise max over the ranks (rows read by two ranks, as mixup's mirrored ones, are equal)."""
+        whole = batch.clone()
+        dist.all_reduce(whole, op=dist.ReduceOp.MAX)
+        return whole
+
+    def gather_rows(self, part: torch.Tensor, n: int) -> torch.Tensor:
+        """The rows of a batch of ``n`` that each rank holds its :meth:`shard` of, put together on every rank."""
+        per = -(-n // self.size)
+        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        padded = part.new_zeros((per, *part.shape[1:]))
+        padded[: hi - lo] = part[: hi - lo]
+        pieces = [torch.empty_like(padded) for _ in range(self.size)]
+        dist.all_gather(pieces, padded.contiguous())
+        return torch.cat(pieces)[:n]
+
     def broadcast(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         if self.size == 1:

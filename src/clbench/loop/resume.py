@@ -28,6 +28,7 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
         "method_config": as_dict(cfg.method),
         "data": as_dict(cfg.data),
         "backbone": as_dict(cfg.backbone),
+        "memory": as_dict(cfg.memory),
         "seed": cfg.seed,
         "trainer": {k: trainer[k] for k in (*keep, "warmup_epochs", "min_lr", "grad_clip", "precision")},
     }

@@ -173,6 +173,8 @@ def start_task(method: Method, task: Task, rt: Runtime, results: Results) -> Non
     """``before_task`` (the new head, masks, pools), then the new task's TIL accuracy before training it (FWT's
     R[j-1][j]; its CIL accuracy is 0: no guess can hit classes not yet seen)."""
     method.before_task(task)
+    if method.memory is not None:
+        method.memory.start_task(task, len(rt.benchmark.train[task.id]))
     if task.id > 0:
         before = rt.evaluate(method, [task.id], ("til",))
         results.before_task["til"][task.id] = before.accuracy["til"][0]
@@ -186,6 +188,8 @@ def record_task(method: Method, task: Task, rt: Runtime, results: Results) -> fl
     validation = rt.evaluate(method, seen, split="validation") if rt.benchmark.validation else None
     results.add_stage(rt.evaluate(method, seen), validation)
     results.storage = method.storage()
+    if method.memory is not None:
+        results.storage["memory"] = method.memory.storage()
     results.extra = method.extra_results()
     return time.perf_counter() - start
 

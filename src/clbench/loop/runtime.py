@@ -16,12 +16,14 @@ from timm.data import Mixup
 from clbench import distributed
 from clbench.backbones import build_backbone, input_stats
 from clbench.comparable import method_name
-from clbench.config import RunConfig, host_drawn_augmentation
+from clbench.config import RunConfig, host_drawn_augmentation, memory_sampler
 from clbench.data import Benchmark, DeviceTransform, Task, build_benchmark
+from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
 from clbench.errors import ConfigError
 from clbench.evaluation import SCENARIOS, Evaluation, evaluate
 from clbench.loop.optim import schedulers_fill_tensor_rates
+from clbench.memory import Memory
 from clbench.methods import Method
 from clbench.tracking import say
 
@@ -132,6 +134,11 @@ class Runtime:
         )
 
     @property
+    def streamed(self) -> bool:
+        """Whether the training images are read from the on-disk cache (a rank then holds only its rows of a batch)."""
+        return any(isinstance(split.x, DiskImages) for split in self.benchmark.train)
+
+    @property
     def autocast(self) -> AbstractContextManager:
         return autocast_for(self.device, self.cfg.trainer.precision, cache=not self.accel.graphs)
 
@@ -168,6 +175,15 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
             f"{type(method).__name__}, whose loss is not cross-entropy over the task's classes. Allowed: 0 (off), or a "
             "method that takes mixed targets: meat, packnet, piggyback, supsup, hat, finetune with loss_scope=task."
         )
+    if cfg.memory.active:
+        method.memory = Memory(
+            cfg.memory,
+            memory_sampler(cfg.memory, type(method)),
+            num_classes=benchmark.num_classes,
+            image_shape=tuple(benchmark.train[0].x.shape[1:]),
+            logits=method.memory_logits,
+            device=device,
+        )
     size = cfg.backbone.img_size
     transforms = (DeviceTransform(cfg.data, size, mean, std, train=t, device=device) for t in (True, False))
     return method, Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel)
@@ -193,7 +209,22 @@ def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) 
     precision = "bf16 autocast" if uses_bf16(rt.device, cfg.trainer.precision) else "fp32"
     device = f"{rt.device} ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else str(rt.device)
     ranks = f" x {rt.ranks.size} processes" if rt.ranks.size > 1 else ""
-    return [first, f"runtime: {device}{ranks}, {precision}, {rt.accel.describe()}"]
+    lines = [first, f"runtime: {device}{ranks}, {precision}, {rt.accel.describe()}"]
+    if method.memory is not None:
+        memory = method.memory
+        budget = f"{cfg.memory.per_class} images a class" if cfg.memory.per_class else "a fixed total"
+        image = memory.images[0]
+        lines.append(
+            f"memory: {memory.sampler} sampler, {memory.capacity} images ({budget}) of {tuple(image.shape)} uint8, "
+            f"{memory.capacity * image.numel() / 2**20:.1f} MiB on {memory.images.device}"
+            + (f"; {method.replay_draws} x {replay_rows(cfg)} images replayed a step" if method.replay_draws else "")
+        )
+    return lines
+
+
+def replay_rows(cfg: RunConfig) -> int:
+    """Images of each draw from the memory in a training step (``memory.batch_size``, else the batch size)."""
+    return cfg.memory.batch_size or cfg.trainer.batch_size
 
 
 def paper_presets(cfg: RunConfig) -> list[str]:

@@ -36,9 +36,10 @@ from torch._dynamo.utils import counters
 
 from clbench.data import Task
 from clbench.errors import GraphCaptureError
-from clbench.loop.runtime import Runtime
+from clbench.loop.runtime import Runtime, replay_rows
+from clbench.memory import STEP_SAMPLERS
 from clbench.methods import Method
-from clbench.methods.base import Logs
+from clbench.methods.base import Logs, Replay
 from clbench.tracking import say
 
 WARMUP_STEPS = 2  # eager steps of a phase before its capture: optimizer state, compilation and autotuning happen here
@@ -62,17 +63,17 @@ class TaskLoss(nn.Module):
         super().__init__()
         self.method, self.task, self.compiled, self.full, self.failed = method, task, compiled, full, failed
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, **replay: tuple[Replay, ...]) -> StepOut:
         if self.compiled is not None and len(x) == self.full:
             try:
-                return self.compiled(x, y, self.task)
+                return self.compiled(x, y, self.task, **replay)
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # dynamo's errors, and torch's own asserts inside a compiled graph
                 if self.failed is None:
                     raise
                 self.failed(err)
-        return self.method.training_loss(x, y, self.task)
+        return self.method.training_loss(x, y, self.task, **replay)
 
 
 def train_step(
@@ -86,12 +87,15 @@ def train_step(
     params: list[torch.Tensor],
     model: nn.Module | None = None,
     mixing: Mixup | None = None,
+    replay: bool = False,
 ) -> StepOut:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
-    surgery, clipping, the optimizer step, the method's constraints. Returns the detached loss (no host sync).
-    ``model``: the :class:`TaskLoss` to run (DDP-wrapped in a multi-process run, where this rank trains on its share
-    of the batch, its loss weighted so that the averaged gradients are the whole batch's). ``mixing``: the phase's
-    :meth:`Runtime.mixup` (built once per phase, not per step)."""
+    surgery, clipping, the optimizer step, the method's constraints, and the batch offered to a reservoir memory.
+    Returns the detached loss (no host sync). ``model``: the :class:`TaskLoss` to run (DDP-wrapped in a multi-process
+    run, where this rank trains on its share of the batch, its loss weighted so that the averaged gradients are the
+    whole batch's). ``mixing``: the phase's :meth:`Runtime.mixup` (built once per phase, not per step). ``replay``:
+    draw the method's memory batches (augmented like the current batch) and hand them to its loss."""
+    labels = y
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
     if mixing is not None and len(y) % 2 == 0:  # mixed over the whole batch, so each rank's share is one process's rows
@@ -99,9 +103,10 @@ def train_step(
         x = x[part]
     else:  # an odd last batch is not mixed (timm's Mixup pairs images)
         x = rt.train_tf(x_raw, part)
+    extra = {"replay": draw_replay(method, rt)} if replay else {}
     with rt.autocast:
         y = y[part]
-        loss, logs = model(x, y) if model is not None else method.training_loss(x, y, task)
+        loss, logs = model(x, y, **extra) if model is not None else method.training_loss(x, y, task, **extra)
     if weight != 1.0:
         loss = loss * weight
     optimizer.zero_grad(set_to_none=True)
@@ -111,7 +116,38 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(params, rt.cfg.trainer.grad_clip)
     optimizer.step()
     method.after_step(task)
+    if method.memory is not None and method.memory.sampler in STEP_SAMPLERS:
+        offer(method, task, rt, x_raw, labels)
     return loss.detach(), logs
+
+
+def draw_replay(method: Method, rt: Runtime) -> tuple[Replay, ...]:
+    """The method's ``replay_draws`` independent draws of :func:`replay_rows` memory images, each augmented as a
+    training batch (this rank's rows of it), with their labels and stored logits."""
+    memory = method.memory
+    assert memory is not None
+    rows = replay_rows(rt.cfg)
+    part, _ = rt.ranks.shard(rows)
+    out = []
+    for _ in range(method.replay_draws):
+        slots = memory.draw(rows)
+        stored = (memory.logits[slots][part], memory.width[slots][part]) if memory.keeps_logits else (None, None)
+        out.append(Replay(rt.train_tf(memory.images[slots], part), memory.labels[slots][part], *stored))
+    return tuple(out)
+
+
+def offer(method: Method, task: Task, rt: Runtime, x_raw: torch.Tensor, labels: torch.Tensor) -> None:
+    """Offer the whole global batch (un-augmented, as stored) to the reservoir, with the logits the method kept of
+    its rows (DER++). A rank of a multi-process run reading from the on-disk cache holds only its rows of the
+    batch (the rest zeros): the ranks complete it (an element-wise max), and gather the logits of their rows."""
+    assert method.memory is not None
+    images, logits = x_raw, method.stored_logits
+    if rt.ranks.size > 1:
+        if rt.streamed:
+            images = rt.ranks.complete_rows(x_raw)
+        if logits is not None:
+            logits = rt.ranks.gather_rows(logits, len(labels))
+    method.memory.insert(images, labels, task.id, logits)
 
 
 class StepGraph:
@@ -119,8 +155,15 @@ class StepGraph:
     replays every kernel of the step; its outputs (the loss and the logged values) are the captured tensors,
     overwritten by each replay."""
 
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor], StepOut], x_raw: torch.Tensor, y: torch.Tensor):
-        self.x, self.y = x_raw.clone(), y.clone()
+    def __init__(
+        self,
+        step: Callable[[torch.Tensor, torch.Tensor], StepOut],
+        x_raw: torch.Tensor,
+        y: torch.Tensor,
+        *,
+        replays: bool = False,
+    ) -> None:
+        self.x, self.y, self.replays = x_raw.clone(), y.clone(), replays
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the stream loader's pin-memory thread) do not break the capture;
         # fail_on_recompile: a compile inside the capture (benchmarking kernels, syncing) is a clean Python error.
@@ -156,11 +199,22 @@ class Stepper:
         self.loss = TaskLoss(method, task, compiled, rows, self.stop_compiling)
         self.model = rt.ranks.wrap(self.loss, rt.device) if rt.ranks.size > 1 else self.loss
         self.graph: StepGraph | None = None
+        self.replay = False  # whether the current step draws from the memory
         self.warm = 0
         self.side = torch.cuda.Stream(rt.device) if rt.accel.graphs else None
 
     def __call__(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
-        if not self.rt.accel.graphs or len(y) != self.full:
+        memory = self.method.memory
+        self.replay = bool(self.method.replay_draws) and memory is not None and not memory.empty
+        out = self.step(x_raw, y)
+        if memory is not None and memory.sampler in STEP_SAMPLERS:
+            memory.offer_counted(len(y))  # the host's count of what the step offered (a graph replay runs no Python)
+        return out
+
+    def step(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+        """One step: eager, on the warm-up side stream, captured, or replayed (a captured step replays only batches
+        of its size that draw from the memory as it did)."""
+        if not self.rt.accel.graphs or len(y) != self.full or (self.graph and self.graph.replays != self.replay):
             out = self.eager(x_raw, y)
             if self.graph is not None:
                 self.optimizer.zero_grad(set_to_none=True)  # the graph keeps its own gradient buffers
@@ -171,7 +225,7 @@ class Stepper:
             self.warm += 1
             return self.on_side_stream(x_raw, y)
         try:  # captured without the eager fallback's retry: a retried step would be recorded twice
-            self.graph = StepGraph(self.take, x_raw, y)
+            self.graph = StepGraph(self.take, x_raw, y, replays=self.replay)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as err:  # a failed capture leaves the allocator and the streams unsafe to go on with
@@ -213,6 +267,7 @@ class Stepper:
             params=self.params,
             model=self.model,
             mixing=self.mixing,
+            replay=self.replay,
         )
 
     def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:

@@ -69,14 +69,49 @@ def run_task(
         resumed = cursor is not None and p == start.phase
         if not resumed:
             method.before_phase(task, phase)
-        if phase.observe:
+        if phase.memory:
+            update_memory(method, task, rt)
+            method.train()
+        elif phase.observe:
             images += observe_pass(method, task, split, rt, hooks.stop)
             method.train()
         elif phase.epochs:
-            run = PhaseRun(method, task, phase, p, split=split, rt=rt, hooks=hooks, resume=start if resumed else None)
+            data = phase_data(method, phase, split)
+            run = PhaseRun(method, task, phase, p, split=data, rt=rt, hooks=hooks, resume=start if resumed else None)
             step, seen = run.epochs(step)
             images += seen
     return step, images
+
+
+def phase_data(method: Method, phase: Phase, split: Split) -> Split:
+    """What a training phase trains on: the task's ``split``, the memory's images, or both (:attr:`Phase.data`)."""
+    if phase.data == "task":
+        return split
+    if method.memory is None or method.memory.empty:
+        raise RuntimeError(f"the {phase.name} phase trains on the memory, which holds nothing")
+    held = method.memory.held_split()
+    return held if phase.data == "memory" else Split.cat([split, held])
+
+
+@torch.no_grad()
+def update_memory(method: Method, task: Task, rt: Runtime) -> None:
+    """A ``memory`` phase: the memory's sampler chooses from the task's training images (herding on their features,
+    in eval mode, without augmentation); rank 0's choice is every rank's."""
+    memory, split = method.memory, rt.benchmark.train[task.id]
+    assert memory is not None
+    labels = split.y.cpu()
+    features = None
+    if memory.sampler == "herding":
+        method.eval()
+        chunks = []
+        for x_raw, _ in split.batches(rt.cfg.trainer.eval_batch_size):
+            with rt.autocast:
+                chunks.append(method.features(rt.test_tf(x_raw), task.id).float())
+        features = torch.cat(chunks)
+    plan = rt.ranks.broadcast(memory.plan(task, labels, features))
+    rows = torch.tensor(plan.rows(), dtype=torch.long, device=split.y.device)
+    images = split.batch(rows, 0, len(rows))[0] if len(rows) else split.x[:0]
+    memory.write(plan, images, labels[rows.cpu()], task.id)
 
 
 class PhaseRun:

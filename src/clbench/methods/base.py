@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -24,19 +24,36 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from clbench.data import Benchmark, Task
+from clbench.memory import STEP_SAMPLERS, Memory
 
 Logs = dict[str, torch.Tensor]
+
+
+class Replay(NamedTuple):
+    """One batch drawn from the rehearsal memory for a training step: this rank's rows, augmented like the current
+    batch, with their global labels and, where the memory keeps them (DER++), the stored logits (padded to every
+    class) and how many classes each row's logits cover."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    logits: torch.Tensor | None = None
+    width: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
 class Phase:
     """A stretch of training with its own optimizer and schedule (e.g. PackNet's train, then retrain). An
     ``observe`` phase has no optimizer: one pass over the task's training data, without augmentation, hands every
-    batch to :meth:`Method.observe` (SimpleCIL's prototypes)."""
+    batch to :meth:`Method.observe` (SimpleCIL's prototypes). A ``memory`` phase updates the rehearsal memory from the
+    task's training data with its sampler (balanced, herding, greedy). ``data``: what a training phase trains on:
+    ``task`` (the task's data, or what :meth:`Method.train_task_ids` names), ``memory`` (the memory alone: GDumb's
+    fit) or ``task+memory`` (both, shuffled together: BiC)."""
 
     name: str
     epochs: int
     observe: bool = False
+    memory: bool = False
+    data: str = "task"
 
 
 class Method(nn.Module):
@@ -57,6 +74,13 @@ class Method(nn.Module):
     graph_safe: ClassVar[bool] = True
     # Rebuilt from the paper's principle where its equations and code could not be read (results.json says so).
     reconstructed: ClassVar[bool] = False
+    # Rehearsal: the sampler of the method's paper (memory.sampler=auto), None for a method that cannot use a memory;
+    # whether it needs one; how many independent memory batches each training step draws (handed to
+    # ``training_loss`` as ``replay``); whether the memory keeps each image's logits (DER++).
+    memory_sampler: ClassVar[str | None] = None
+    needs_memory: ClassVar[bool] = False
+    replay_draws: ClassVar[int] = 0
+    memory_logits: ClassVar[bool] = False
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()
@@ -68,6 +92,9 @@ class Method(nn.Module):
         # draws per sample (MEAT's token masks) are made for the whole batch, so every rank of a multi-process run
         # consumes random numbers as one process does and takes its own rows.
         self.batch_share: tuple[int, slice] | None = None
+        self.memory: Memory | None = None  # set by the loop when the run has a memory budget
+        # DER++: the logits of the step's current rows, which the loop stores with them after the step.
+        self.stored_logits: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------- lifecycle hooks
     @property
@@ -87,7 +114,14 @@ class Method(nn.Module):
         return head
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
-        return [Phase("train", epochs)]
+        """Train; then, with a memory whose sampler works after a task, update the memory."""
+        return [Phase("train", epochs), *self.memory_phase()]
+
+    def memory_phase(self) -> list[Phase]:
+        """The ``memory`` phase of a memory filled after each task (none for the reservoir or without a memory)."""
+        if self.memory is None or self.memory.sampler in STEP_SAMPLERS:
+            return []
+        return [Phase("memory", 0, memory=True)]
 
     def before_phase(self, task: Task, phase: Phase) -> None:
         """Called before each phase's optimizer is built (state-machine transitions live here)."""

@@ -26,6 +26,7 @@ Options where the paper and its two official codes differ:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
@@ -64,6 +65,10 @@ class L2PConfig:
 
 class L2P(PromptMethod):
     Config = L2PConfig
+    # L2P-R (Table 1): the official code's memory (a uniform subset of each task's first epoch, replayed from the
+    # moment it is stored), one memory batch of the batch's size joined to each step.
+    memory_sampler: ClassVar[str | None] = "uniform"
+    replay_draws: ClassVar[int] = 1
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: L2PConfig) -> None:
         super().__init__(backbone, benchmark, config, config.pool_size)

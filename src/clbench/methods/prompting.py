@@ -28,7 +28,7 @@ from clbench.comparable import method_name
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.attention import head_merge, head_split, split_heads
-from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.base import Logs, Method, Phase, Replay
 
 log = logging.getLogger(__name__)
 
@@ -183,12 +183,22 @@ class PromptMethod(Method):
         return self.prompted_features(x, chosen)
 
     # ----------------------------------------------------------------------------- training
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        """Cross-entropy over the current task's classes + ``pull`` x the key-pull term of the chosen prompts."""
-        q = self.query(x)
+    def training_loss(
+        self, x: torch.Tensor, y: torch.Tensor, task: Task, replay: tuple[Replay, ...] = ()
+    ) -> tuple[torch.Tensor, Logs]:
+        """Cross-entropy over the current task's classes + ``pull`` x the key-pull term of the chosen prompts. With a
+        memory (L2P-R), the replayed rows join the batch, their cross-entropy over every seen class (the official
+        code's ``replay_no_mask``): the mean over all rows."""
+        rows = torch.cat([x, *(r.x for r in replay)]) if replay else x
+        q = self.query(rows)
         chosen = self.select(q, task)
-        self.record(chosen, task.id)
-        ce = self.current_task_ce(self.seen_logits(self.prompted_features(x, chosen)), y, task)
+        self.record(chosen[: len(y)], task.id)
+        logits = self.seen_logits(self.prompted_features(rows, chosen))
+        ce = self.current_task_ce(logits[: len(y)], y, task)
+        if replay:
+            memory_y = torch.cat([r.y for r in replay])
+            replayed = F.cross_entropy(logits[len(y) :], memory_y, reduction="sum")
+            ce = (ce * len(y) + replayed) / len(rows)
         pull = pull_loss(q, self.keys, chosen)
         return ce + self.config.pull * pull, {"pull": pull.detach()}
 

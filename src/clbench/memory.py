@@ -1,0 +1,277 @@
+"""The rehearsal memory: a fixed budget of training images, kept as the benchmark stores them (uint8), with their
+labels, task ids and what a method keeps per sample (DER++'s logits), filled by the sampler of the method's paper and
+drawn from on the training device.
+
+Samplers (BASELINES.md §2.2):
+
+- ``reservoir`` (ER, DER++; mammoth's ``Buffer``, Vitter's algorithm R): every image of every training step is a
+  candidate, inserted after the step's optimizer update. The n-th image seen (0-based) takes slot n while the memory
+  is not full, else slot j ~ U{0..n} if j < capacity, else it is dropped: each of the first N images is kept with
+  probability min(1, capacity / N). Vectorised over the batch on the device (no host sync; a CUDA graph replays it):
+  two images of one batch that draw the same slot resolve to the later one, as the sequential rule does.
+- ``uniform`` (L2P-R; google-research/l2p ``libml/continual_buffer.py``): each task owns per_class x its classes
+  slots and keeps a uniform random subset of the images of its first epoch, drawn as a reservoir over that epoch;
+  replays include the current task's images as soon as they are stored (the code's ``include_new_task``).
+- ``balanced`` (class-balanced random, iCaRL's shrink): after each task, every class of the task keeps a
+  random subset of its images; with a fixed ``size``, older classes give up their last-chosen slots so that every
+  seen class holds ``size // seen classes``.
+- ``herding`` (BiC, iCaRL): as ``balanced``, the subset chosen by herding on the model's features: greedily the image
+  that brings the mean of the chosen features closest to the class mean; a shrink keeps the first chosen.
+- ``greedy`` (GDumb): the task's images as a stream in a random order; an image of a class not in memory, or of a
+  class holding fewer than ``capacity // classes in memory``, is stored, evicting (when full) a random image of the
+  class holding most (ties broken at random); otherwise it is dropped. No task boundary is needed.
+
+Budget (``memory.per_class`` or ``memory.size``): ``per_class`` keeps exactly that many images of each seen class (the
+memory grows to per_class x the benchmark's classes, L2P Table 1's buffers); ``size`` is a fixed total from the first
+task on. The reservoir, which knows no classes, holds per_class x classes from the start.
+
+Draws are made on the device with the default generator (whose state every checkpoint saves): a resumed run draws
+what an uninterrupted one does. Every rank of a multi-process run inserts the whole global batch and draws the same
+slots, so the ranks' memories stay identical.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from clbench.config import MemoryConfig
+from clbench.data import Split, Task
+
+STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a ``memory`` phase)
+
+
+NO_LIMIT = 2**62  # the reservoir offers every image
+
+
+@dataclass
+class Plan:
+    """What a task sampler decided: slots it frees, and {slot: (row of the task's training data, rank within its
+    class)} it fills."""
+
+    freed: list[int] = field(default_factory=list)
+    taken: dict[int, tuple[int, int]] = field(default_factory=dict)
+
+    def rows(self) -> list[int]:
+        """The task's rows the plan stores, sorted (the order :meth:`Memory.write` reads their images in)."""
+        return sorted({row for row, _ in self.taken.values()})
+
+
+class Memory(nn.Module):
+    """A rehearsal memory of ``capacity`` slots (plus one scratch slot that absorbs dropped insertions). Its tensors
+    are buffers of the method that owns it, so the run's checkpoint holds them; the count of images offered is kept
+    on the host too, so the loop knows without a sync whether there is anything to replay."""
+
+    def __init__(
+        self,
+        config: MemoryConfig,
+        sampler: str,
+        *,
+        num_classes: int,
+        image_shape: tuple[int, ...],
+        logits: bool = False,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.sampler, self.per_class, self.num_classes = sampler, config.per_class, num_classes
+        self.capacity = config.size if config.size is not None else config.per_class * num_classes
+        rows = self.capacity + 1  # the last row is scratch
+        self.register_buffer("images", torch.zeros((rows, *image_shape), dtype=torch.uint8, device=device))
+        self.register_buffer("labels", torch.full((rows,), -1, dtype=torch.long, device=device))
+        self.register_buffer("tasks", torch.full((rows,), -1, dtype=torch.long, device=device))
+        # Priority of a slot within its class (balanced, herding): a shrink frees a class's highest ranks first.
+        self.register_buffer("rank", torch.zeros(rows, dtype=torch.long, device=device))
+        self.register_buffer("offered", torch.zeros((), dtype=torch.long, device=device))  # images offered so far
+        self.keeps_logits = logits
+        if logits:  # DER++: the logits over the classes seen at insertion, padded to every class, and their width
+            self.register_buffer("logits", torch.zeros((rows, num_classes), dtype=torch.float32, device=device))
+            self.register_buffer("width", torch.zeros(rows, dtype=torch.long, device=device))
+        self.held = 0  # host copy: images held (task samplers) or offered (reservoir); 0 means nothing to replay
+        # Where a step's insertions go: slots lo .. lo + length - 1, for the first `limit` images offered (uniform: the
+        # task's slots and its first epoch; reservoir: every slot, every image).
+        self.region = (0, self.capacity, NO_LIMIT)
+
+    # ----------------------------------------------------------------------------- state
+    @property
+    def empty(self) -> bool:
+        return self.held == 0
+
+    def held_split(self) -> Split:
+        """The held images and labels as a training split (GDumb's fit, BiC's merged data)."""
+        held = (self.labels[: self.capacity] >= 0).nonzero().flatten()
+        return Split(self.images[held], self.labels[held])
+
+    def get_extra_state(self) -> dict[str, Any]:
+        return {"held": self.held, "region": list(self.region)}
+
+    def set_extra_state(self, state: dict[str, Any]) -> None:
+        self.held = int(state["held"])
+        lo, length, limit = (int(v) for v in state["region"])
+        self.region = (lo, length, limit)
+
+    def start_task(self, task: Task, images: int) -> None:
+        """At a task's start (``images``: its training images): the uniform sampler's slots for the task and its count
+        of offered images, from zero."""
+        if self.sampler != "uniform":
+            return
+        classes = self.num_classes
+        if self.per_class is not None:
+            lo, length = self.per_class * task.offset, self.per_class * task.num_classes
+        else:
+            lo = self.capacity * task.offset // classes
+            length = self.capacity * (task.offset + task.num_classes) // classes - lo
+        self.region = (lo, length, images)
+        self.offered.zero_()
+
+    def quota(self, seen_classes: int) -> int:
+        """Images a class keeps once ``seen_classes`` classes have been seen (balanced and herding samplers)."""
+        return self.per_class if self.per_class is not None else self.capacity // seen_classes
+
+    # ----------------------------------------------------------------------------- reservoir (in the step)
+    def insert(
+        self, images: torch.Tensor, labels: torch.Tensor, task_id: int, logits: torch.Tensor | None = None
+    ) -> None:
+        """Offer a batch to the reservoir (device ops only; ``labels`` global). ``logits``: the model's outputs on
+        the batch, over the classes seen so far (DER++)."""
+        n, (lo, length, limit) = len(labels), self.region
+        position = self.offered + torch.arange(n, device=labels.device)  # images offered before each one
+        draw = (torch.rand(n, device=labels.device, dtype=torch.float64) * (position + 1)).long()  # U{0..position}
+        slot = torch.where(position < length, position, draw)
+        slot = torch.where((slot < length) & (position < limit), lo + slot, self.capacity)  # dropped: the scratch row
+        later = (slot[:, None] == slot[None, :]).triu(1).any(1)  # a later image of the batch takes the same slot
+        slot = torch.where(later, self.capacity, slot)
+        self.images.index_copy_(0, slot, images)
+        self.labels.index_copy_(0, slot, labels)
+        self.tasks.index_fill_(0, slot, task_id)
+        if logits is not None:
+            padded = torch.zeros((n, self.num_classes), dtype=torch.float32, device=logits.device)
+            padded[:, : logits.shape[1]] = logits.float()
+            self.logits.index_copy_(0, slot, padded)
+            self.width.index_fill_(0, slot, logits.shape[1])
+        self.offered += n
+
+    def offer_counted(self, n: int) -> None:
+        """The host's count of a step's insertion (called outside the step, which a CUDA graph may replay)."""
+        self.held += n
+
+    # ----------------------------------------------------------------------------- drawing (in the step)
+    def draw(self, n: int) -> torch.Tensor:
+        """``n`` slot indices, uniform without replacement among the held images (with replacement for the rows
+        beyond what is held); device ops only. Only called once something is held."""
+        held = self.labels[: self.capacity] >= 0
+        keys = torch.rand(self.capacity, device=held.device).masked_fill(~held, 2.0)
+        order = keys.argsort()  # held slots first, in random order
+        count = held.sum()
+        take = torch.arange(n, device=held.device)
+        spare = (torch.rand(n, device=held.device) * count).long()
+        return order[torch.where(take < count, take, spare)]
+
+    # ----------------------------------------------------------------------------- task samplers (after a task)
+    def plan(self, task: Task, labels: torch.Tensor, features: torch.Tensor | None = None) -> Plan:
+        """Which of the task's training images (``labels``: their global labels, on the host; ``features``: their
+        features, for herding) the memory takes, into which slots, and which slots it frees. Host-side, once a
+        task; random choices come from the default CPU generator (checkpointed), the same on every rank."""
+        if self.sampler == "greedy":
+            return self._greedy(labels)
+        seen = task.offset + task.num_classes
+        quota = self.quota(seen)
+        if quota < 1:
+            raise ValueError(f"a memory of {self.capacity} images cannot hold one image of each of {seen} classes")
+        held = self.labels[: self.capacity].cpu() >= 0
+        shrunk = held & (self.rank[: self.capacity].cpu() >= quota)  # each old class keeps its first `quota`
+        free = (~held | shrunk).nonzero().flatten().tolist()
+        plan = Plan(freed=shrunk.nonzero().flatten().tolist())
+        for c in range(task.offset, seen):
+            rows = (labels == c).nonzero().flatten()
+            if self.sampler == "herding":
+                assert features is not None, "herding needs the images' features"
+                rows = rows[herding(features[rows].float(), min(quota, len(rows)))]
+            else:
+                rows = rows[torch.randperm(len(rows))[:quota]]
+            for k, row in enumerate(rows.tolist()):
+                plan.taken[free.pop(0)] = (row, k)
+        return plan
+
+    def _greedy(self, labels: torch.Tensor) -> Plan:
+        """GDumb's class-balancing greedy sampler over the task's images in a random stream order."""
+        slot_class = self.labels[: self.capacity].tolist()
+        by_class: dict[int, list[int]] = {}
+        for s, c in enumerate(slot_class):
+            if c >= 0:
+                by_class.setdefault(c, []).append(s)
+        free = [s for s, c in enumerate(slot_class) if c < 0]
+        plan = Plan()
+        for row in torch.randperm(len(labels)).tolist():
+            c = int(labels[row])
+            if c in by_class and len(by_class[c]) >= self.capacity // len(by_class):
+                continue
+            if free:
+                s = free.pop(0)
+            else:  # full: a random image of the class holding most (ties at random) makes room
+                most = max(len(v) for v in by_class.values())
+                largest = [k for k, v in by_class.items() if len(v) == most]
+                victim = largest[int(torch.randint(len(largest), ()))]
+                s = by_class[victim].pop(int(torch.randint(most, ())))
+                if not by_class[victim]:
+                    del by_class[victim]
+                if plan.taken.pop(s, None) is None:
+                    plan.freed.append(s)
+            by_class.setdefault(c, []).append(s)
+            plan.taken[s] = (row, 0)
+        return plan
+
+    @torch.no_grad()
+    def write(self, plan: Plan, images: torch.Tensor, labels: torch.Tensor, task_id: int) -> None:
+        """Carry out ``plan``: free its slots, then store ``images[i]`` (and ``labels[i]``) of the i-th of
+        :meth:`Plan.rows` in its slot; count what is held."""
+        if plan.freed:
+            self.labels[torch.tensor(plan.freed, device=self.labels.device)] = -1
+        if plan.taken:
+            at = {row: i for i, row in enumerate(plan.rows())}
+            dev = self.labels.device
+            slots = torch.tensor(list(plan.taken), device=dev)
+            picks = torch.tensor([at[row] for row, _ in plan.taken.values()], device=images.device)
+            self.images[slots] = images[picks].to(dev)
+            self.labels[slots] = labels[picks].to(dev)
+            self.tasks[slots] = task_id
+            self.rank[slots] = torch.tensor([k for _, k in plan.taken.values()], device=dev)
+        self.held = int((self.labels[: self.capacity] >= 0).sum())
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def storage(self) -> dict[str, Any]:
+        """What the memory holds: samples, the bytes of each part as held, and the images of each class."""
+        held = self.labels[: self.capacity] >= 0
+        samples = int(held.sum())
+        image_bytes = math.prod(self.images.shape[1:])
+        counts = torch.bincount(self.labels[: self.capacity][held], minlength=self.num_classes).tolist()
+        return {
+            "sampler": self.sampler,
+            "capacity": self.capacity,
+            "samples": samples,
+            "bytes_images": samples * image_bytes,
+            "bytes_labels": samples * self.labels.element_size(),
+            "bytes_task_ids": samples * self.tasks.element_size(),
+            "bytes_logits": samples * self.num_classes * 4 if self.keeps_logits else 0,
+            "per_class_counts": counts,
+        }
+
+
+def herding(features: torch.Tensor, k: int) -> torch.Tensor:
+    """iCaRL's herding (Rebuffi et al. 2017, Alg. 4; BiC's exemplar selection): ``k`` row indices of ``features``
+    (n, d), chosen greedily so that the mean of the first i chosen is the closest (L2) to the mean of all rows, for
+    every i; no row twice."""
+    mu = features.mean(0)
+    total = torch.zeros_like(mu)
+    taken = torch.zeros(len(features), dtype=torch.bool, device=features.device)
+    out = []
+    for i in range(1, k + 1):
+        distance = (mu - (total + features) / i).norm(dim=1).masked_fill(taken, float("inf"))
+        pick = int(distance.argmin())
+        out.append(pick)
+        taken[pick] = True
+        total += features[pick]
+    return torch.tensor(out, dtype=torch.long)
