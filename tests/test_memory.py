@@ -1,0 +1,240 @@
+"""The rehearsal memory (clbench.memory) and the methods that replay from it (ER, DER++, L2P-R).
+
+The samplers are checked against transcriptions of their reference rules (BASELINES.md §2.2: mammoth's reservoir,
+L2P's first-epoch subset), written here as plain sequential loops; the methods' losses against their equations on
+fixed tensors; the loop's use of the memory by runs: a resumed run ends as an uninterrupted one, a streamed run as one
+held on the device, two gloo ranks as one process.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from clbench.config import MemoryConfig
+from clbench.data import Task
+from clbench.errors import ConfigError
+from clbench.loop import step as step_module
+from clbench.loop import train
+from clbench.loop.runtime import build_runtime
+from clbench.memory import Memory
+from clbench.methods.base import Replay
+from conftest import TINY, clbench, tiny_config, torchrun
+
+TASK = Task(0, (0, 1), ("a", "b"), 0)
+
+
+def memory(size: int, sampler: str = "reservoir", per_class: int | None = None, logits: bool = False) -> Memory:
+    config = MemoryConfig(size=None if per_class else size, per_class=per_class)
+    return Memory(config, sampler, num_classes=4, image_shape=(1, 2, 2), logits=logits)
+
+
+def reservoir_reference(capacity: int, stream: list[int], uniforms: list[float]) -> list[int | None]:
+    """mammoth utils/buffer.py ``reservoir`` + ``add_data``, one item at a time: item n (0-based count of the items
+    seen before it) takes slot n while n < capacity, else slot floor(u * (n + 1)) if that is < capacity."""
+    slots: list[int | None] = [None] * capacity
+    for n, (item, u) in enumerate(zip(stream, uniforms, strict=True)):
+        j = n if n < capacity else int(u * (n + 1))
+        if j < capacity:
+            slots[j] = item
+    return slots
+
+
+def images_of(items: list[int]) -> torch.Tensor:
+    return torch.tensor(items, dtype=torch.uint8)[:, None, None, None].expand(-1, 1, 2, 2).contiguous()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 7])
+def test_the_vectorised_reservoir_is_the_sequential_rule(batch: int) -> None:
+    """Batches of any size give what one-at-a-time insertion gives with the same uniforms; two items of one batch
+    that draw the same slot resolve to the later one."""
+    mem, stream = memory(5), list(range(1, 41))
+    uniforms: list[float] = []
+    for lo in range(0, len(stream), batch):
+        items = stream[lo : lo + batch]
+        torch.manual_seed(lo)
+        uniforms += torch.rand(len(items), dtype=torch.float64).tolist()
+        torch.manual_seed(lo)
+        mem.insert(images_of(items), torch.tensor(items) % 4, 0)
+    expected = reservoir_reference(5, stream, uniforms)
+    assert mem.images[:5, 0, 0, 0].tolist() == expected
+    assert mem.labels[:5].tolist() == [i % 4 for i in expected]
+    assert int(mem.offered) == len(stream)
+
+
+def test_the_reservoir_keeps_each_item_with_probability_capacity_over_n() -> None:
+    kept = torch.zeros(40)
+    torch.manual_seed(0)
+    for _ in range(400):
+        mem = memory(10)
+        mem.insert(images_of(list(range(40))), torch.zeros(40, dtype=torch.long), 0)
+        kept[mem.images[:10, 0, 0, 0].long()] += 1
+    assert abs(kept.mean().item() / 400 - 10 / 40) < 1e-6  # exactly 10 kept each time
+    assert (kept / 400 - 0.25).abs().max() < 0.09  # each item near 1/4 (binomial std 0.022)
+
+
+def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slots() -> None:
+    mem = memory(8, logits=True)
+    mem.insert(images_of([10, 11, 12]), torch.tensor([0, 1, 2]), 0, logits=torch.ones(3, 2))
+    mem.offer_counted(3)
+    assert mem.images[:3, 0, 0, 0].tolist() == [10, 11, 12] and mem.labels[3:8].tolist() == [-1] * 5
+    assert mem.width[:3].tolist() == [2, 2, 2] and mem.logits[:3, 2:].abs().sum() == 0
+    assert sorted(mem.draw(3).tolist()) == [0, 1, 2]  # without replacement while enough is held
+    assert set(mem.draw(7).tolist()) <= {0, 1, 2}  # with replacement beyond that, never an empty slot
+    assert mem.storage() | {"per_class_counts": None} == {
+        "sampler": "reservoir",
+        "capacity": 8,
+        "samples": 3,
+        "bytes_images": 12,
+        "bytes_labels": 24,
+        "bytes_task_ids": 24,
+        "bytes_logits": 48,
+        "per_class_counts": None,
+    }
+
+
+def test_the_uniform_sampler_keeps_a_uniform_subset_of_each_tasks_first_epoch() -> None:
+    """L2P's buffer (libml/continual_buffer.py): per_class x the task's classes slots of the task's own, filled from
+    its first epoch only; a later task's images go to its own slots."""
+    mem = memory(0, "uniform", per_class=2)
+    mem.start_task(TASK, images=6)
+    torch.manual_seed(0)
+    for epoch in range(3):  # only the first 6 images offered (the first epoch) can enter
+        mem.insert(images_of([epoch * 10 + i for i in range(6)]), torch.tensor([0, 1, 0, 1, 0, 1]), 0)
+    kept = mem.images[:4, 0, 0, 0].tolist()
+    assert len(set(kept)) == 4 and all(k < 6 for k in kept)
+    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), images=4)
+    mem.insert(images_of([40, 41, 42, 43]), torch.tensor([2, 3, 2, 3]), 1)
+    assert mem.images[:4, 0, 0, 0].tolist() == kept and set(mem.images[4:8, 0, 0, 0].tolist()) == {40, 41, 42, 43}
+    assert mem.tasks[:8].tolist() == [0] * 4 + [1] * 4
+
+
+def test_the_balanced_sampler_shrinks_old_classes_to_an_equal_share() -> None:
+    mem = memory(6, "balanced")
+    labels = torch.tensor([0, 1] * 5)
+    plan = mem.plan(TASK, labels)
+    mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0)
+    assert mem.storage()["per_class_counts"] == [3, 3, 0, 0]
+    second = Task(1, (2, 3), ("c", "d"), 2)
+    labels = torch.tensor([2, 3] * 5)
+    plan = mem.plan(second, labels)
+    mem.write(plan, images_of([100 + r for r in plan.rows()]), labels[plan.rows()], 1)
+    assert mem.storage()["per_class_counts"] == [1, 1, 1, 1]  # iCaRL's m = 6 // 4 classes each; 2 slots stay free
+    assert set(mem.images[:6][mem.labels[:6] >= 2, 0, 0, 0].tolist()) <= {100 + r for r in plan.rows()}
+
+
+def test_a_memory_is_refused_where_it_cannot_serve() -> None:
+    with pytest.raises(ConfigError, match=r"memory.per_class.*no use for a rehearsal memory"):
+        tiny_config("method=meat", "memory.per_class=5")
+    with pytest.raises(ConfigError, match=r"memory.per_class.*needs a budget"):
+        tiny_config("method=er", "memory.per_class=null")
+    with pytest.raises(ConfigError, match=r"memory.sampler.*logits it replays"):
+        tiny_config("method=derpp", "memory.sampler=balanced")
+    with pytest.raises(ConfigError, match=r"memory.size.*not both"):
+        tiny_config("method=er", "memory.size=100")
+    with pytest.raises(ConfigError, match=r"memory.sampler"):
+        tiny_config("method=er", "memory.sampler=fifo")
+
+
+def built(*overrides: str):
+    torch.manual_seed(0)
+    method, rt = build_runtime(tiny_config(*overrides))
+    method.before_task(rt.benchmark.tasks[0])
+    method.before_task(rt.benchmark.tasks[1])
+    return method, rt
+
+
+def test_er_loss_is_the_mean_over_current_and_memory_rows() -> None:
+    """Not the mean of the two means: 5 current rows and 3 memory rows weigh 5:3."""
+    method, rt = built("method=er")
+    task = rt.benchmark.tasks[1]
+    x, y = torch.randn(5, 3, 16, 16), torch.tensor([2, 3, 2, 3, 2])
+    mx, my = torch.randn(3, 3, 16, 16), torch.tensor([0, 1, 0])
+    loss, _ = method.training_loss(x, y, task, replay=(Replay(mx, my),))
+    logits = method.seen_logits(method.features(torch.cat([x, mx]), None))
+    expected = F.cross_entropy(logits, torch.cat([y, my]))
+    torch.testing.assert_close(loss, expected)
+
+
+def test_derpp_loss_is_its_three_terms_with_the_mse_over_the_stored_width() -> None:
+    """Eq. 6: CE(x, y) + alpha MSE(f(x1), z1) + beta CE(f(x2), y2); a logit stored while 2 classes were seen is
+    compared on those 2 only; the current rows' logits are kept for the reservoir."""
+    method, rt = built("method=derpp", "method.alpha=0.3", "method.beta=0.7")
+    task = rt.benchmark.tasks[1]
+    x, y = torch.randn(4, 3, 16, 16), torch.tensor([2, 3, 2, 3])
+    x1, x2 = torch.randn(2, 3, 16, 16), torch.randn(2, 3, 16, 16)
+    z1 = torch.tensor([[1.0, -1.0, 0.0, 0.0, 0, 0], [0.5, 0.2, 0.3, -0.4, 0, 0]])
+    width = torch.tensor([2, 4])
+    y2 = torch.tensor([1, 0])
+    replay = (Replay(x1, torch.tensor([0, 1]), z1, width), Replay(x2, y2, z1, width))
+    loss, _ = method.training_loss(x, y, task, replay=replay)
+    out = lambda images: method.seen_logits(method.features(images, None))  # noqa: E731
+    f1 = out(x1)
+    squares = [((f1[0, :2] - z1[0, :2]) ** 2).tolist(), ((f1[1, :4] - z1[1, :4]) ** 2).tolist()]
+    mse = sum(sum(s) for s in squares) / 6
+    expected = F.cross_entropy(out(x), y) + 0.3 * mse + 0.7 * F.cross_entropy(out(x2), y2)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(method.stored_logits, out(x))
+
+
+def matrices(path: Path) -> dict:
+    res = json.loads((path / "results.json").read_text())
+    return {k: res.get(k) for k in ("acc_matrix", "before_task_acc", "random_init_acc", "status", "storage")}
+
+
+@pytest.mark.parametrize(
+    "overrides", [("method=er",), ("method=derpp",), ("method=l2p", "memory.per_class=4", "trainer.epochs=3")]
+)
+def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...]
+) -> None:
+    """The memory (its slots, counters and the generator behind its draws) is in the checkpoint: stopped in task 1,
+    with a memory to replay, the resumed run draws what the uninterrupted one drew."""
+    overrides = (*overrides, "trainer.checkpoint_every=1")
+    train(tiny_config(*overrides), tmp_path / "whole")
+    expected = matrices(tmp_path / "whole")
+    assert expected["storage"]["memory"]["samples"] > 0
+    calls, real = {"n": 0}, step_module.train_step
+
+    def crashing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 7:  # task 1, its second epoch (3 batches an epoch)
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "train_step", crashing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(tiny_config(*overrides), tmp_path / "cut")
+    monkeypatch.undo()
+    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
+    assert matrices(tmp_path / "cut") == expected
+
+
+def test_a_streamed_run_replays_what_a_run_held_on_the_device_replays(tmp_path: Path) -> None:
+    overrides = ("method=derpp",)
+    train(tiny_config(*overrides), tmp_path / "device")
+    stream = ("data.store=stream", "data.stream_workers=0", f"data.cache_dir={tmp_path / 'cache'}")
+    train(tiny_config(*overrides, *stream), tmp_path / "stream")
+    assert matrices(tmp_path / "stream") == matrices(tmp_path / "device")
+
+
+@pytest.mark.slow  # two gloo processes, twice: 40 s
+def test_two_gloo_ranks_keep_one_memory(tmp_path: Path) -> None:
+    """Every rank inserts the whole global batch (a streaming rank completes the rows it did not read; DER++'s logits
+    are gathered): the memory, and so the run, is the single process's."""
+    overrides = (*TINY, "method=derpp", "trainer.batch_size=16", "logger.mode=disabled")
+    stream = ("data.store=stream", f"data.cache_dir={tmp_path / 'cache'}", "data.stream_workers=1")
+    one = clbench(*overrides, f"hydra.run.dir={tmp_path / 'one'}", cwd=tmp_path)
+    assert one.returncode == 0, one.stderr[-3000:]
+    for name, extra in (("two", ()), ("two_streamed", stream)):
+        out = torchrun(2, *overrides, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
+        assert out.returncode == 0, out.stderr[-3000:]
+    a, b, c = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two", "two_streamed"))
+    assert a["storage"]["memory"] == b["storage"]["memory"] == c["storage"]["memory"]
+    for s in ("til", "cil"):  # one test image of a 20-image task (5 points) for summation order
+        for rows in zip(a["acc_matrix"][s], b["acc_matrix"][s], c["acc_matrix"][s], strict=True):
+            assert all(max(v) - min(v) <= 5.0 for v in zip(*rows, strict=True) if v[0] is not None)
