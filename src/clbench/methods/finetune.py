@@ -34,7 +34,15 @@ class Finetune(Method):
     Config = FinetuneConfig
 
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        """The backbone (unless frozen) and the heads: with ``loss_scope=seen`` every head (the CE over all seen
+        classes trains them all); with ``task`` only the current one. Earlier heads get no gradient there, and keeping
+        them out of the optimizer keeps them bit-identical whatever fills their gradients (an optimizer that treats a
+        zero gradient as a step, AdamW's decoupled weight decay moving them with it): TIL forgetting stays exactly 0
+        with a frozen backbone (MEAT's "Classifier", L2P's FT-seq-frozen under its code's train mask)."""
         self.backbone.requires_grad_(not self.config.freeze_backbone)
+        if self.config.loss_scope == "task":
+            for t, head in enumerate(self.heads):
+                head.requires_grad_(t == task.id)
         return [{"params": [p for p in self.parameters() if p.requires_grad]}]
 
     def takes_soft_targets(self) -> bool:
