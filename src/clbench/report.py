@@ -15,6 +15,10 @@ with a .hydra/ folder) that have no results.json, with their overrides and the l
 
 Writes PREFIX.md, .csv, .tex (booktabs) and a figure (.png and .pdf) of the mean accuracy over the seen tasks after
 each task, one line per row with a band of ± one std over its runs.
+
+With --table NAME (e.g. l2p_table1, meat_table1): the runs laid out as that paper's table instead, rows in the
+paper's order, clbench's mean ± std beside the published number and the difference (clbench.paper_table); writes
+PREFIX.md, .csv and .tex.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from clbench import paper_table
 from clbench.comparable import differing_keys, setting, short_names
 from clbench.errors import ConfigError
 from clbench.files import check_writable, write_atomic
@@ -190,6 +195,7 @@ def load(paths: list[Path]) -> tuple[list[Run], list[Skipped]]:
         if isinstance(result, Skipped):
             others.append(result)
         else:
+            result["_folder"] = str(path.parent)  # for --table: the job folder tells the run's preset
             runs.append(result)
             folders.append(path.parent)
     runs, duplicates = without_duplicates(runs, folders)
@@ -388,7 +394,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("paths", nargs="+", type=Path, help="run folders, multirun folders or results.json files")
     parser.add_argument("--out", type=Path, default=Path("report"), help="output prefix (default: report)")
+    parser.add_argument(
+        "--table",
+        metavar="NAME",
+        help="lay the runs out as a paper's table beside its published numbers (clbench.paper_table), e.g. "
+        f"l2p_table1; known: {', '.join(paper_table.known_tables())}",
+    )
     args = parser.parse_args(argv)
+    if args.table is not None and args.table not in paper_table.known_tables():
+        known = ", ".join(paper_table.known_tables())
+        print(f"clbench-report: unknown table {args.table!r}. Known tables: {known}.", file=sys.stderr)
+        sys.exit(2)
     try:  # before reading anything: a report that cannot be written is refused at once
         check_writable(args.out.parent, hint="Choose another prefix with --out PATH.")
     except ConfigError as err:
@@ -398,7 +414,14 @@ def main(argv: list[str] | None = None) -> None:
     if not runs and not others:
         print(f"clbench-report: no results.json or job folder under {', '.join(map(str, args.paths))}", file=sys.stderr)
         sys.exit(2)
-    written = write_report(table_rows(runs), others, args.out)
+    if args.table is not None:
+        outputs = paper_table.report(args.table, runs, others)
+        print(outputs[".md"], end="")
+        for suffix, text in outputs.items():
+            write_atomic(args.out.with_suffix(suffix), text)
+        written = [args.out.with_suffix(suffix) for suffix in outputs]
+    else:
+        written = write_report(table_rows(runs), others, args.out)
     print(f"\nwritten: {', '.join(map(str, written))}", file=sys.stderr)
 
 
