@@ -107,6 +107,15 @@ def attention_ops(step: Callable[[], object], *, cuda: bool = False) -> tuple[se
     return fused, maps
 
 
+def baselines_slow(methods: tuple[str, ...] | list[str]) -> list:
+    """``methods`` as pytest parameters, the seed tables' baselines (clbench.methods.BASELINES) under the ``slow``
+    marker: their own test files check them in the default suite, the every-method runs in ``make test-all`` (the
+    default suite stays within its 15 minutes on 2 cores)."""
+    from clbench.methods import BASELINES
+
+    return [pytest.param(m, marks=pytest.mark.slow) if m in BASELINES else m for m in methods]
+
+
 def compose_config(*overrides: str) -> DictConfig:
     """The config exactly as the CLI composes it (without the hydra node)."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -8,7 +8,17 @@ from clbench.bench.cli import measure, parse
 from clbench.methods import TRAINED
 from conftest import attention_ops
 
-KEYS = {"name", "backbone", "batch_size", "image_size", "images_per_s", "step_ms", "peak_mem_mb", "mfu"}
+KEYS = {
+    "name",
+    "backbone",
+    "batch_size",
+    "image_size",
+    "images_per_step",
+    "images_per_s",
+    "step_ms",
+    "peak_mem_mb",
+    "mfu",
+}
 TINY = ["--batch-size", "4", "--image-size", "16", "--warmup", "1", "--steps", "1", "--repeats", "2"]
 
 
@@ -43,7 +53,9 @@ def test_target_ratios_follow_their_definitions() -> None:
     ms |= {"apd": 100.0, "tfm": 55.0}
     refs = {"reference/timm_train": 55.0, "reference/timm_compiled": 40.0}
     refs |= {"reference/timm_frozen": 40.0, "reference/timm_inference": 20.0}
-    ratios = target_ratios([{"name": k, "step_ms": v} for k, v in {**ms, **refs}.items()])
+    entries = [{"name": k, "step_ms": v, "images_per_step": 32} for k, v in {**ms, **refs}.items()]
+    entries.append({"name": "er", "step_ms": 90.0, "images_per_step": 64})  # 32 current + 32 replayed images
+    ratios = target_ratios(entries)
     assert ratios == {
         "finetune_speed_vs_timm_train": 1.1,
         "finetune_speed_vs_timm_compiled": 0.8,
@@ -51,6 +63,7 @@ def test_target_ratios_follow_their_definitions() -> None:
         "l2p_step_vs_frozen_plus_inference": 1.5,
         "slowest_prompt_successor_step_vs_l2p": 1.3,
         "slowest_survey_method_step_vs_finetune": 2.0,
+        "slowest_baseline_per_image_vs_finetune": 0.9,  # (90 / 64) / (50 / 32)
     }
     assert target_ratios([{"name": "l2p", "error": "x"}])["l2p_step_vs_frozen_plus_inference"] is None
 

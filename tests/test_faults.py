@@ -24,7 +24,7 @@ from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import Runtime, build_runtime
 from clbench.methods import METHODS as ALL_METHODS
-from conftest import TINY, clbench, run_command, tiny_config, tiny_fit
+from conftest import TINY, baselines_slow, clbench, run_command, tiny_config, tiny_fit
 from test_resume import CHECKPOINTED, matrices
 
 TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
@@ -220,7 +220,7 @@ def test_parallel_jobs_split_the_cores() -> None:
 METHODS = ALL_METHODS
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", baselines_slow(METHODS))
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

@@ -18,7 +18,7 @@ from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods import METHODS as ALL_METHODS
-from conftest import TINY, clbench, compose_config, tiny_config
+from conftest import TINY, baselines_slow, clbench, compose_config, tiny_config
 
 
 def indexed_benchmark(per_class: list[int]) -> Benchmark:
@@ -105,7 +105,7 @@ def test_a_test_objective_needs_the_opt_in_and_is_warned_about(tmp_path: Path) -
 METHODS = ALL_METHODS
 
 
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", baselines_slow(METHODS))
 def test_torchmetrics_counts_equal_plain_counts_and_the_diagnostics_follow_their_definitions(method: str) -> None:
     """Two tasks of five classes: accuracy, top-5 (10 classes in CIL), per-class accuracy and the task confusion,
     each recounted here from ``predict`` by its definition."""

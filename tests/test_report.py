@@ -252,3 +252,7 @@ def test_the_method_tables_are_measured_and_written_between_their_markers(tmp_pa
     assert text.startswith("intro\n") and "\nbetween\n" in text and text.endswith("end\n") and "old" not in text
     rows = [line for line in text.splitlines() if line.startswith("| finetune |")]
     assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows) and "Measured by `make table`" in text
+    # a narrower or failed measurement keeps every row it did not measure: a method that fails writes nothing
+    table(["--readme", str(readme), "--methods", "nope"])
+    assert [line for line in readme.read_text().splitlines() if line.startswith("| finetune |")] == rows
+    assert "| nope |" not in readme.read_text()

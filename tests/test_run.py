@@ -18,7 +18,7 @@ from clbench.loop.task import run_task
 from clbench.methods import TRAINED
 from clbench.methods.finetune import Finetune
 from clbench.reevaluate import reevaluate
-from conftest import TINY, compose_config, tiny_config, tiny_fit
+from conftest import TINY, baselines_slow, compose_config, tiny_config, tiny_fit
 
 TASKS = 3
 
@@ -178,7 +178,7 @@ def test_heatmap_renders_negative_forgetting() -> None:
 AGAIN_EXTRA = {"packnet": ("method.retrain_epochs=1",), "supsup-gn": ("method.head=masked", "method.outputs=4")}
 
 
-@pytest.mark.parametrize("case", [*(m for m in TRAINED if m != "joint"), "supsup-gn"])
+@pytest.mark.parametrize("case", [*baselines_slow([m for m in TRAINED if m != "joint"]), "supsup-gn"])
 def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, case: str) -> None:
     method = case.split("-", maxsplit=1)[0]
     overrides = (

@@ -63,13 +63,32 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def replace_table(text: str, setting: str, table: str, stamp: str) -> str:
-    """``text`` with the block between the setting's markers replaced by ``table`` and ``stamp``; an error where the
-    markers are missing."""
-    pattern = re.compile(rf"(<!-- method-table: {re.escape(setting)} -->\n).*?(\n<!-- /method-table -->)", re.S)
-    if not pattern.search(text):
+BLOCK = r"(<!-- method-table: {} -->\n)(.*?)(\n<!-- /method-table -->)"
+
+
+def block(text: str, setting: str) -> re.Match:
+    """The setting's table block of ``text`` (table, blank line, stamp lines); an error without its markers."""
+    found = re.search(BLOCK.format(re.escape(setting)), text, re.S)
+    if found is None:
         raise SystemExit(f"clbench-table: no `<!-- method-table: {setting} -->` ... `<!-- /method-table -->` block")
-    return pattern.sub(lambda m: m.group(1) + table + "\n\n" + stamp + m.group(2), text, count=1)
+    return found
+
+
+def merge(text: str, setting: str, rows: list[dict[str, Any]], stamp: str, every: bool) -> str:
+    """``text`` with the setting's table holding the measured ``rows`` (a failed one is not written: the row it would
+    replace stays) and every other row as it stood, in the README's order. Measuring every method replaces the
+    stamp; a narrower measurement adds a line naming the methods it measured again."""
+    found = block(text, setting)
+    old_table, _, old_stamp = found.group(2).partition("\n\n")
+    kept = {line.split("|")[1].strip(): line for line in old_table.splitlines()[2:] if line.startswith("| ")}
+    fresh = {row["method"]: markdown([row]).splitlines()[2] for row in rows if "error" not in row}
+    merged = kept | fresh
+    order = [m for m in method_names() if m in merged] + sorted(set(merged) - set(method_names()))
+    header = "\n".join(markdown([]).splitlines()[:2])
+    table = "\n".join([header, *(merged[m] for m in order)])
+    if not every and old_stamp:
+        stamp = f"{old_stamp}\n{stamp.removesuffix('.')}: {', '.join(fresh)}."
+    return text[: found.start(2)] + table + "\n\n" + stamp + text[found.end(2) :]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -81,14 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     methods = args.methods or method_names()
     text = args.readme.read_text()
     stamp = f"Measured by `make table` on {datetime.date.today()} ({machine()}, Python {platform.python_version()})."
+    every = set(methods) >= set(method_names()) and not args.set
     with tempfile.TemporaryDirectory(prefix="clbench-table-") as tmp:
         for setting, overrides in SETTINGS.items():
+            block(text, setting)  # both blocks exist before anything is measured
             rows = []
             for method in methods:
                 row = measure(method, (*overrides, *args.set), Path(tmp) / setting.replace(" ", "_") / method)
                 print(f"{setting} {method}: {row.get('values', row.get('error'))}", file=sys.stderr)
                 rows.append(row)
-            text = replace_table(text, setting, markdown(rows), stamp)
+            text = merge(text, setting, rows, stamp, every)
     write_atomic(args.readme, text)
     print(f"written: the method tables of {args.readme}", file=sys.stderr)
 

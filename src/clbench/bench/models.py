@@ -60,14 +60,16 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
     eager twin for FLOP counting. With ``extra`` overrides that stream the data (``finetune/stream``), each step takes
     the next streamed batch and the data part is the time it waited for it."""
     from clbench.loop.optim import build_optimizer, rates_on_device
-    from clbench.loop.runtime import build_runtime
+    from clbench.loop.runtime import build_runtime, replay_rows
     from clbench.loop.step import Stepper, TaskLoss, train_step
 
     cfg = compose([*overrides(args, name), *extra])
     method, rt = build_runtime(cfg)
     task = rt.benchmark.tasks[0]
     method.before_task(task)
-    phase = method.phases(task, 1)[0]
+    if method.memory is not None:
+        method.memory.start_task(task, len(rt.benchmark.train[0]))
+    phase = next(p for p in method.phases(task, 1) if not (p.observe or p.memory))
     method.before_phase(task, phase)
     optimizer = build_optimizer(method, task, phase, cfg.trainer, capturable=rt.accel.graphs)
     rates_on_device(optimizer, rt.device)
@@ -91,7 +93,9 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
     def data() -> None:
         rt.train_tf(split.batch(order, 0, args.batch_size)[0])
 
-    return Entry(step, rt.device, waits or data, eager)
+    # A replaying method's steps after the first draw from the memory the first filled: they train on more images.
+    images = args.batch_size + method.replay_draws * replay_rows(cfg)
+    return Entry(step, rt.device, waits or data, eager, images=images)
 
 
 def inference_step(args: argparse.Namespace, name: str) -> Entry:

@@ -34,6 +34,7 @@ class Entry:
     device: torch.device
     data: Callable[[], Any] | Waits | None = None
     flops: Callable[[], Any] | None = None
+    images: int | None = None  # images a step trains on, memory images included (None: the batch size)
 
 
 def peak_flops(device: torch.device, given: float | None = None) -> float | None:

@@ -2,8 +2,11 @@
 
 from clbench.methods.base import Method, Phase
 
+# The rows the founding papers' tables compare against (L2P Table 1, MEAT Table 1): regularisation, rehearsal and
+# parameter-isolation baselines.
+BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
-# methods, the rest of the mask survey), then SimpleCIL, which only observes.
+# methods, the rest of the mask survey, the baselines), then SimpleCIL, which only observes.
 TRAINED = (
     "finetune",
     "joint",
@@ -19,7 +22,8 @@ TRAINED = (
     "ctr",
     "ksm",
     "tfm",
+    *BASELINES,
 )
 METHODS = (*TRAINED, "simplecil")
 
-__all__ = ["METHODS", "TRAINED", "Method", "Phase"]
+__all__ = ["BASELINES", "METHODS", "TRAINED", "Method", "Phase"]

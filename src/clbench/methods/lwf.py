@@ -1,0 +1,145 @@
+"""LwF, Learning without Forgetting (Li & Hoiem, ECCV 2016 / TPAMI 2017): fine-tuning on the new task while
+distilling the outputs that the network had at the task's start on the new task's own images.
+
+Rules (BASELINES.md §5.1, §5.3):
+
+- Teacher: a frozen deep copy of the backbone and the old heads, taken at the start of every task t > 0 and evaluated
+  under no_grad on the **same augmented batch** as the student ("online" teacher, as PackNet's, HAT's and FACIL's
+  reference codes do [code:arunmallya/packnet@de4ff7e src/lwf.py; joansj/hat@6fd0b9d src/approaches/lwf.py
+  L99-106; mmasana/FACIL@e09d2c8 src/approach/lwf.py L120-146]). The official code records the responses once before
+  training on un-augmented images [code:lizhitwo/LearningWithoutForgetting@795176d snippets/PASCALkeeporig.m L161,
+  L182], which mismatches teacher and student inputs under augmentation (§5.2 defect 4): not copied.
+- Distillation, no T² factor (official vl_nnsoftmaxdiff.m L74-96):
+  KD(z_old, z) = −Σ_c softmax(z_old/T)_c log softmax(z/T)_c, averaged over the batch, whose gradient in z is
+  (softmax(z/T) − softmax(z_old/T)) / T. ``scope``: ``til`` sums one KD per old head (original, HAT, PackNet);
+  ``cil`` takes one softmax over the concatenated old heads (FACIL, mammoth).
+- Loss: L = L_new + λ KD (λ = ``lam``), L_new finetune's cross-entropy (``loss_scope``: ``task`` = the new head's
+  classes, the original and FACIL; ``seen`` = all seen classes, mammoth).
+- Warm-up (official: the ``_lock`` stage before ``_lockkeep``; PackNet: ``ft_shared_after``): a phase ``warmup`` of
+  ``warmup_epochs`` in which only the new head trains (L_new alone: the old heads' outputs cannot change). The backbone
+  and old heads are left out of the optimizer and do not require grad, so weight decay and momentum cannot move them
+  (PackNet's zeroed gradients do not prevent that: §5.2 defect 2). Then phase ``train``: everything trains.
+
+The teacher is a submodule ``teacher`` whose parameters were turned into buffers: ``parameters()`` (the optimizer,
+``no_weight_decay_ids``, the trainable parameter count) does not see it, ``state_dict()`` (the checkpoint) carries it,
+so a run resumed mid-task distils towards the same teacher (the replay builds one of the right shape, the checkpoint
+replaces its values), and :meth:`artifacts` leaves it out (evaluation does not use it). It is dropped at the task's end.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clbench.config import require, require_choice
+from clbench.data import Task
+from clbench.methods.base import Logs, Phase
+from clbench.methods.finetune import Finetune, FinetuneConfig
+
+
+@dataclass
+class LwFConfig(FinetuneConfig):
+    """LwF's hyperparameters on top of finetune's ``loss_scope`` (CE of the new data) and ``freeze_backbone``."""
+
+    loss_scope: str = "task"  # the new data's CE over the new head, as the original LwF and FACIL
+    lam: float = 1.0  # λ_o, the distillation weight (official: 1)
+    T: float = 2.0  # the distillation temperature (official: 2)
+    scope: str = "til"  # til: one KD per old head | cil: one KD over all old classes
+    warmup_epochs: int = 1  # epochs of the new-head-only phase before every task's training
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        require(math.isfinite(self.lam) and self.lam >= 0, "method.lam", self.lam, "a finite float >= 0")
+        require(math.isfinite(self.T) and self.T > 0, "method.T", self.T, "a finite float > 0")
+        require_choice("method.scope", self.scope, ("til", "cil"))
+        require(
+            isinstance(self.warmup_epochs, int) and self.warmup_epochs >= 0,
+            "method.warmup_epochs",
+            self.warmup_epochs,
+            "an integer >= 0",
+        )
+
+
+def distillation(z: torch.Tensor, z_old: torch.Tensor, temperature: float) -> torch.Tensor:
+    """KD = −Σ_c softmax(z_old/T)_c log softmax(z/T)_c, T = ``temperature``, the mean over the rows, in fp32 (no T²)."""
+    target = F.softmax(z_old.float() / temperature, dim=1)
+    return -(target * F.log_softmax(z.float() / temperature, dim=1)).sum(1).mean()
+
+
+class Teacher(nn.Module):
+    """A frozen copy of a backbone and heads: every parameter is a buffer, and it stays in eval mode."""
+
+    def __init__(self, backbone: nn.Module, heads: list[nn.Module]) -> None:
+        super().__init__()
+        self.backbone = copy.deepcopy(backbone)
+        self.heads = nn.ModuleList(copy.deepcopy(h) for h in heads)
+        for module in self.modules():
+            for name, p in list(module._parameters.items()):
+                del module._parameters[name]
+                module.register_buffer(name, None if p is None else p.detach())
+        self.train(False)
+
+    def train(self, mode: bool = True) -> Teacher:
+        return super().train(False)
+
+    @torch.no_grad()
+    def logits(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Each old head's logits on ``x``."""
+        feats = self.backbone.forward_head(self.backbone.forward_features(x), pre_logits=True)
+        return [head(feats) for head in self.heads]
+
+
+class LwF(Finetune):
+    Config = LwFConfig
+
+    def __init__(self, backbone, benchmark, config: LwFConfig) -> None:
+        super().__init__(backbone, benchmark, config)
+        self.teacher: Teacher | None = None
+        self.warming_up = False  # in the warm-up phase (set by before_phase, which a resume's replay also calls)
+
+    def before_task(self, task: Task) -> None:
+        """The teacher: the backbone and old heads as they are at the task's start (none for the first task)."""
+        super().before_task(task)
+        self.teacher = Teacher(self.backbone, list(self.heads[: task.id])) if task.id else None
+
+    def after_task(self, task: Task) -> None:
+        self.teacher = None
+
+    def phases(self, task: Task, epochs: int) -> list[Phase]:
+        return [Phase("warmup", self.config.warmup_epochs), Phase("train", epochs)]
+
+    def before_phase(self, task: Task, phase: Phase) -> None:
+        self.warming_up = phase.name == "warmup"
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        if phase.name == "warmup":  # only the new head: shared and old parameters are out of the optimizer
+            self.backbone.requires_grad_(False)
+            self.heads.requires_grad_(False)
+            self.heads[task.id].requires_grad_(True)
+            return [{"params": list(self.heads[task.id].parameters())}]
+        # every head trains (the old ones through the distillation), whatever finetune does with loss_scope=task
+        self.backbone.requires_grad_(not self.config.freeze_backbone)
+        self.heads.requires_grad_(True)
+        return [{"params": [p for p in self.parameters() if p.requires_grad]}]
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        feats = self.features(x, task.id)
+        if self.config.loss_scope == "task":
+            new = self.task_loss(self.heads[task.id](feats), y, task)
+        else:
+            new = F.cross_entropy(self.seen_logits(feats), y)
+        if self.teacher is None or self.warming_up:
+            return new, {}  # the first task, or the warm-up: nothing the distillation could change
+        old = self.teacher.logits(x)
+        student = [self.heads[k](feats) for k in range(task.id)]
+        if self.config.scope == "cil":
+            kd = distillation(torch.cat(student, 1), torch.cat(old, 1), self.config.T)
+        else:
+            kd = sum(distillation(s, o, self.config.T) for s, o in zip(student, old, strict=True))
+        return new + self.config.lam * kd, {"kd": kd.detach()}

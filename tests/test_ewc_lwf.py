@@ -1,0 +1,299 @@
+"""EWC and LwF against independent transcriptions of their rules (tests/oracles/{ewc,lwf}_reference.py; BASELINES.md
+§4.7, §5.4), plus a small end-to-end run and a resume of each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from clbench.errors import ConfigError
+from clbench.loop import step as step_module
+from clbench.loop import train
+from clbench.loop.runtime import build_runtime
+from clbench.loop.task import run_task
+from clbench.methods.base import Phase
+from clbench.methods.ewc import EWC, per_example_fisher
+from clbench.methods.lwf import LwF, distillation
+from conftest import tiny_config
+from oracles import ewc_reference as ewc_ref
+from oracles import lwf_reference as lwf_ref
+
+FISHER = Phase("fisher", 1, observe=True)
+
+
+# ----------------------------------------------------------------------------------------------------- EWC: Fisher
+@pytest.mark.parametrize("estimator", ["true_label", "expected", "mammoth"])
+def test_fisher_of_a_linear_softmax_model_matches_the_closed_form(estimator: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(5, 4)
+    x, y = torch.randn(6, 5), torch.tensor([0, 3, 1, 1, 2, 0])
+    params = dict(model.named_parameters())
+    got = per_example_fisher(model, params, x, y, estimator=estimator, chunk=4)  # two chunks, the second partial
+    FW, Fb = torch.zeros(4, 5, dtype=torch.float64), torch.zeros(4, dtype=torch.float64)
+    for i in range(len(x)):
+        w, b = ewc_ref.linear_fisher(model.weight.detach(), model.bias.detach(), x[i], int(y[i]), estimator)
+        FW, Fb = FW + w, Fb + b
+    torch.testing.assert_close(got["weight"].double(), FW, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(got["bias"].double(), Fb, rtol=1e-5, atol=1e-7)
+
+
+def test_sampled_fisher_is_one_draw_per_example_and_unbiased() -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    x0 = torch.randn(3)
+    params = dict(model.named_parameters())
+    W, b = model.weight.detach(), model.bias.detach()
+    # one example: the estimate is the closed form of one of the labels
+    one = per_example_fisher(model, params, x0[None], torch.tensor([0]), estimator="sample")
+    candidates = [ewc_ref.linear_fisher(W, b, x0, 0, "sample", sampled=c)[0] for c in range(3)]
+    assert any(torch.allclose(one["weight"].double(), c, rtol=1e-5, atol=1e-8) for c in candidates)
+    # many copies: the mean approaches the expected (true) Fisher
+    n = 4000
+    many = per_example_fisher(
+        model, params, x0.expand(n, 3), torch.zeros(n, dtype=torch.long), estimator="sample", chunk=1000
+    )
+    expected, _ = ewc_ref.linear_fisher(W, b, x0, 0, "expected")
+    torch.testing.assert_close(many["weight"].double() / n, expected, rtol=0.1, atol=1e-3)
+
+
+# ----------------------------------------------------------------------------------------------------- EWC: penalty
+def consolidate(method: EWC, task, fishers: dict[str, torch.Tensor], count: int = 5) -> None:
+    """Finish ``task`` with the given per-parameter Fishers (as an observe pass over ``count`` images would leave
+    them) at the method's current parameters."""
+    method.before_phase(task, FISHER)
+    for name, total in method.sums.items():
+        total.copy_(fishers[name] * count)
+    method.count.fill_(count)
+    method.after_task(task)
+
+
+def named(method: EWC) -> dict[str, nn.Parameter]:
+    return dict(method.named_parameters())
+
+
+def run_tasks_with_random_fishers(method: EWC, tasks, gen: torch.Generator):
+    """Consolidate each task at random parameters with random Fishers (some entries 0); returns [(F_k, θ*_k)]."""
+    stored = []
+    for task in tasks:
+        method.before_task(task)
+        params = named(method)
+        with torch.no_grad():
+            for p in params.values():
+                p.copy_(torch.randn(p.shape, generator=gen))
+        fishers = {}
+        method.before_phase(task, FISHER)  # the parameters it observes: the anchored ones and the task's head
+        for name in method.sums:
+            f = torch.rand(params[name].shape, generator=gen)
+            fishers[name] = f * (torch.rand(f.shape, generator=gen) > 0.2)
+        consolidate(method, task, fishers)
+        stored.append((fishers, {n: p.detach().clone() for n, p in params.items()}))
+    return stored
+
+
+@pytest.mark.parametrize("half", [True, False])
+def test_collapsed_offline_penalty_equals_the_explicit_sum_over_tasks(half: bool) -> None:
+    method, rt = build_runtime(tiny_config("method=ewc", "method.lam=3.0", f"method.half={half}"))
+    t0, t1, t2 = rt.benchmark.tasks
+    gen = torch.Generator().manual_seed(1)
+    stored = run_tasks_with_random_fishers(method, [t0, t1], gen)
+    method.before_task(t2)
+    params = named(method)
+    with torch.no_grad():
+        for p in params.values():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    covered = [n for n in stored[-1][0] if not n.startswith(f"heads.{t2.id}.")]
+    theta = [params[n].detach().double() for n in covered]
+    per_task = [
+        (
+            [f.get(n, torch.zeros_like(params[n])).double() for n in covered],
+            [a.get(n, torch.zeros_like(params[n])).double() for n in covered],
+        )
+        for f, a in stored
+    ]
+    expected = ewc_ref.offline_penalty(theta, per_task, 3.0, half)
+    got = method.penalty(t2.id).item()
+    assert got == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize(("half", "gamma"), [(True, 0.5), (False, 1.0)])
+def test_online_merge_and_penalty_follow_the_conventions(half: bool, gamma: float) -> None:
+    method, rt = build_runtime(
+        tiny_config(
+            "method=ewc", "method.online=true", f"method.gamma={gamma}", "method.lam=2.0", f"method.half={half}"
+        )
+    )
+    t0, t1, t2 = rt.benchmark.tasks
+    gen = torch.Generator().manual_seed(2)
+    stored = run_tasks_with_random_fishers(method, [t0, t1], gen)
+    method.before_task(t2)
+    params = named(method)
+    names = list(stored[-1][0])
+    merged = {
+        n: ewc_ref.online_merge([f.get(n, torch.zeros_like(params[n])).double() for f, _ in stored], gamma)
+        for n in names
+    }
+    for n in names:  # the running Fisher the method keeps: F̃_2 = γ F_1 + F_2
+        torch.testing.assert_close(method.importance.get_buffer(n.replace(".", "__")).double(), merged[n])
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(torch.randn(p.shape, generator=gen))
+    theta = [params[n].detach().double() for n in names]
+    anchor = [stored[-1][1][n].double() for n in names]
+    expected = ewc_ref.online_penalty(theta, [merged[n] for n in names], anchor, lam=2.0, gamma=gamma, half=half)
+    assert method.penalty(t2.id).item() == pytest.approx(expected, rel=1e-6)
+    if not half and gamma == 1.0:  # mammoth's convention: λ Σ F̃ (θ − θ*)², no ½ and no γ on reading
+        mammoth = ewc_ref.online_penalty(
+            theta, [merged[n] for n in names], anchor, lam=2.0, gamma=gamma, half=False, gamma_on_read=False
+        )
+        assert method.penalty(t2.id).item() == pytest.approx(mammoth, rel=1e-6)
+
+
+@pytest.mark.parametrize("online", [False, True])
+def test_penalty_and_its_gradient_vanish_at_the_anchor_and_skip_the_current_head(online: bool) -> None:
+    method, rt = build_runtime(tiny_config("method=ewc", f"method.online={online}", "method.lam=10.0"))
+    t0, t1, _ = rt.benchmark.tasks
+    gen = torch.Generator().manual_seed(3)
+    run_tasks_with_random_fishers(method, [t0], gen)
+    method.before_task(t1)
+    penalty = method.penalty(t1.id)
+    assert penalty.item() == 0.0
+    penalty.backward()
+    for name, p in method.named_parameters():
+        if name.startswith("heads.1."):
+            assert p.grad is None  # the current head has no anchor
+        else:
+            assert p.grad is not None and torch.count_nonzero(p.grad) == 0, name
+    method.zero_grad(set_to_none=True)
+    with torch.no_grad():  # moving the current head changes nothing; moving an anchored weight does
+        method.heads[1].weight.add_(1.0)
+        assert method.penalty(t1.id).item() == 0.0
+        method.heads[0].weight.add_(1.0)
+        assert method.penalty(t1.id).item() > 0.0
+
+
+def test_ewc_config_is_validated() -> None:
+    for bad in ("method.lam=-1", "method.lam=nan", "method.gamma=0", "method.gamma=1.5", "method.fisher=batched"):
+        with pytest.raises(ConfigError, match=r"method\."):
+            tiny_config("method=ewc", bad)
+
+
+# ----------------------------------------------------------------------------------------------------- LwF
+def test_kd_matches_the_smoothed_softmax_form_and_its_gradient() -> None:
+    torch.manual_seed(0)
+    z, z_old, T = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64), 2.0
+    p = lwf_ref.softmax(z_old[0].tolist())  # mammoth's smooth identity: softmax(z)^{1/T}/Σ = softmax(z/T)
+    assert lwf_ref.smooth(p, T) == pytest.approx(torch.softmax(z_old[0] / T, 0).tolist(), rel=1e-12)
+    z.requires_grad_(True)
+    kd = distillation(z, z_old, T)
+    expected = sum(lwf_ref.kd_row(z[i].tolist(), z_old[i].tolist(), T) for i in range(4)) / 4
+    assert kd.item() == pytest.approx(expected, rel=1e-5)
+    kd.backward()
+    grad = torch.tensor([lwf_ref.kd_grad_row(z[i].tolist(), z_old[i].tolist(), T) for i in range(4)]) / 4
+    torch.testing.assert_close(z.grad, grad.to(z.grad.dtype), rtol=1e-5, atol=1e-7)
+
+
+def trained_first_task(*overrides: str) -> tuple[LwF, object]:
+    method, rt = build_runtime(tiny_config("method=lwf", *overrides))
+    t0 = rt.benchmark.tasks[0]
+    method.before_task(t0)
+    run_task(method, t0, rt, epochs=1)
+    method.after_task(t0)
+    return method, rt
+
+
+@pytest.mark.parametrize("scope", ["til", "cil"])
+def test_kd_before_the_first_update_is_the_teacher_entropy_with_zero_gradient(scope: str) -> None:
+    method, rt = trained_first_task(f"method.scope={scope}", "data.num_tasks=3")
+    t1 = rt.benchmark.tasks[1]
+    method.before_task(t1)
+    method.before_phase(t1, Phase("train", 1))
+    groups = method.param_groups(t1, Phase("train", 1))
+    assert any(p is method.heads[0].weight for p in groups[0]["params"])  # old heads train through the distillation
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3, 16, 16), torch.randint(t1.offset, t1.offset + t1.num_classes, (8,))
+    teacher = [z.tolist() for z in method.teacher.logits(x)]
+    student = [method.heads[k](method.features(x, t1.id)).tolist() for k in range(t1.id)]
+    torch.testing.assert_close(torch.tensor(teacher), torch.tensor(student), rtol=0, atol=0)
+    loss, logs = method.training_loss(x, y, t1)
+    flat = [[v for h in t for v in h] for t in zip(*teacher, strict=True)] if scope == "cil" else None
+    rows = [[h[i] for h in teacher] for i in range(8)]
+    ent = (
+        [lwf_ref.entropy(lwf_ref.softmax([v / 2.0 for v in r])) for r in flat]
+        if flat
+        else [sum(lwf_ref.entropy(lwf_ref.softmax([v / 2.0 for v in h])) for h in r) for r in rows]
+    )
+    assert logs["kd"].item() == pytest.approx(sum(ent) / 8, rel=1e-5)
+    assert logs["kd"].item() == pytest.approx(lwf_ref.lwf_kd(student, teacher, 2.0, scope), rel=1e-5)
+    loss.backward()
+    with_kd = {n: p.grad.clone() for n, p in method.named_parameters() if p.grad is not None}
+    method.zero_grad(set_to_none=True)
+    method.config.lam = 0.0
+    method.training_loss(x, y, t1)[0].backward()
+    for n, p in method.named_parameters():
+        if n in with_kd:
+            torch.testing.assert_close(with_kd[n], p.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_warmup_leaves_the_backbone_and_old_heads_bit_identical_and_the_teacher_out_of_the_optimizer() -> None:
+    method, rt = trained_first_task("trainer.weight_decay=0.1")
+    t1 = rt.benchmark.tasks[1]
+    method.before_task(t1)
+    assert not any(n.startswith("teacher.") for n, _ in method.named_parameters())
+    assert any(k.startswith("teacher.backbone.") for k in method.state_dict())
+    assert not any(k.startswith("teacher") for k in method.artifacts())
+    trainable = sum(p.numel() for n, p in method.named_parameters() if not n.startswith("teacher."))
+    assert method.storage()["trainable_params"] == trainable
+    before = {k: v.clone() for k, v in method.state_dict().items() if not k.startswith("heads.1.")}
+    new_head = method.heads[1].weight.detach().clone()
+    run_task(method, t1, rt, epochs=0)  # the warm-up phase only (warmup_epochs=1, train 0 epochs)
+    after = method.state_dict()
+    for k, v in before.items():
+        assert torch.equal(after[k], v), k
+    assert not torch.equal(method.heads[1].weight, new_head)
+
+
+def test_lwf_config_is_validated() -> None:
+    for bad in ("method.lam=-1", "method.T=0", "method.T=inf", "method.scope=both", "method.warmup_epochs=-1"):
+        with pytest.raises(ConfigError, match=r"method\."):
+            tiny_config("method=lwf", bad)
+
+
+# ----------------------------------------------------------------------------------------------------- end to end
+def til(run_dir: Path) -> dict:
+    return json.loads((run_dir / "results.json").read_text())
+
+
+@pytest.mark.parametrize(("method", "crash_step"), [("ewc", 14), ("lwf", 23)])
+def test_a_run_resumed_mid_task_gives_the_uninterrupted_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, crash_step: int
+) -> None:
+    """Crash in task 1 (EWC: the penalty is active; LwF: the teacher exists) and resume from the checkpoint."""
+    overrides = (f"method={method}", "data.num_tasks=2", "trainer.eval_random_init=false", "trainer.checkpoint_every=1")
+    train(tiny_config(*overrides), tmp_path / "whole")
+    whole = til(tmp_path / "whole")
+    assert (
+        whole["status"] == "finished"
+        and len(whole["acc_matrix"]["til"]) == 2
+        and whole["metrics"]["til"]["final_acc"] > 50
+    )  # chance: 50
+    calls = {"n": 0}
+    real = step_module.train_step
+
+    def crashing(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == crash_step:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "train_step", crashing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(tiny_config(*overrides), tmp_path / "cut")
+    monkeypatch.undo()
+    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
+    cut = til(tmp_path / "cut")
+    assert cut["acc_matrix"] == whole["acc_matrix"]
+    assert cut["metrics"] == whole["metrics"]
