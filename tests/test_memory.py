@@ -238,3 +238,21 @@ def test_two_gloo_ranks_keep_one_memory(tmp_path: Path) -> None:
     for s in ("til", "cil"):  # one test image of a 20-image task (5 points) for summation order
         for rows in zip(a["acc_matrix"][s], b["acc_matrix"][s], c["acc_matrix"][s], strict=True):
             assert all(max(v) - min(v) <= 5.0 for v in zip(*rows, strict=True) if v[0] is not None)
+
+
+@pytest.mark.parametrize("overrides", [("method=er",), ("method=derpp",), ("method=l2p", "memory.per_class=10")])
+def test_a_replaying_loss_compiles_as_one_graph(overrides: tuple[str, ...]) -> None:
+    """The memory batches enter ``training_loss`` as tensors (DER++ keeps its current logits on the module): one
+    graph, no break, so the replaying step compiles and captures as the others do."""
+    from clbench.loop.step import draw_replay
+
+    method, rt = build_runtime(tiny_config(*overrides))
+    task = rt.benchmark.tasks[0]
+    method.before_task(task)
+    method.memory.start_task(task, 100)
+    x, y = rt.benchmark.train[0].batch(None, 0, 8)
+    method.memory.insert(x, y, 0, torch.zeros(8, 2) if method.memory.keeps_logits else None)
+    method.memory.offer_counted(8)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(method.training_loss)(rt.train_tf(x), y, task, replay=draw_replay(method, rt))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
