@@ -1,0 +1,232 @@
+"""BiC, Bias Correction (Wu et al., "Large Scale Incremental Learning", CVPR 2019; official code
+wuyuebupt/LargeScaleIncrementalLearning@7f687a3): full fine-tuning with distillation on the task's data and a herding
+memory, then a two-parameter bias layer on the newest classes' logits (BASELINES.md §9).
+
+Rules (§9.1, §9.4), for task t with n old and m new classes:
+
+- Stage 1 (phase ``train``, ``Phase(data="task+memory")``: the task's images and the memory's shuffled into the same
+  batches, §2.3): L = λ·L_d + (1 − λ)·L_c with λ = n / (n + m) (code: itera/(itera+1), resnet.py L627-632).
+  L_c = cross-entropy over every seen class (L603-604). L_d = −Σ softmax(ô/T) log softmax(o/T) over the **old**
+  classes (one softmax over all of them), T = 2, no T² (L606-609; :func:`clbench.methods.lwf.distillation`), between
+  the teacher's logits ô and the current model's o. The teacher is a frozen copy of the model at the task's start
+  (:class:`clbench.methods.lwf.Teacher`: backbone and old heads), on the same augmented batch; its newest block
+  (task t − 1's classes) is first corrected with that task's (β, γ) (L560-578): for t ≥ 2, since task 0 has no bias
+  stage (its (β, γ) stay (1, 0)). The first task (nothing old, empty memory) trains on its data with L_c alone.
+- Memory (§2.2d): herding on the model's pre-logit features after stage 1 (``memory_sampler = "herding"``,
+  :func:`clbench.memory.herding`).
+- Stage 2 (phase ``bias``, ``Phase(data="memory")``, t ≥ 1): only (β_t, γ_t) train (the backbone and the heads are out
+  of the optimizer and run in eval mode without gradients, §9.3 defect 1 not copied): q = β_t·o + γ_t on the newest
+  task's logits, the others unchanged; loss = CE over every seen class + ``gamma_penalty``·γ_t²/2 (0.1, L633-637,
+  L661-662); β = 1, γ = 0 initially (L587-595).
+- Prediction: CIL = argmax over [old logits, β_t·newest + γ_t] with the latest task's (β, γ) only (L505-521;
+  :meth:`seen_logits`); earlier (β, γ) only shape distillation targets. TIL = the task's own head, uncorrected (an
+  affine map with β > 0 leaves the argmax within a block unchanged).
+
+(β_t, γ_t) are per-task parameters created in ``before_task`` as (1, 0), so a resume's replay builds them and the
+checkpoint fills them; :meth:`artifacts` saves them (``bias.beta.<t>``, ``bias.gamma.<t>``) so clbench-eval reproduces
+the predictions. The teacher exists during a task only (buffers, in the checkpoint mid-task, not in the artifacts).
+
+Departures: the bias layer is fit on the whole updated memory, not on a held-out validation share of it (§2.2d,
+§9.4: 10% of each class's memory share, the new classes' taken out of the task's training data): holding samples out
+needs the loop's task split and the memory's training split to exclude them, which clbench's loop does not offer, so
+the bias stage sees images stage 1 trained on (the new classes' exemplars were fit in stage 1, the correction it
+learns is likely smaller than BiC's). ``data.store=stream`` is refused (the stage-1 union of a streamed task split and
+the in-memory memory is not supported). The recipe is clbench's (conf/method/bic.yaml), not BiC's ResNet-18 SGD one.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from clbench.config import require
+from clbench.data import Benchmark, Task
+from clbench.data.stream import DiskImages
+from clbench.errors import ConfigError
+from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.lwf import Teacher, distillation
+
+
+@dataclass
+class BiCConfig:
+    T: float = 2.0  # distillation temperature (official: 2)
+    gamma_penalty: float = 0.1  # weight of γ²/2 in the bias stage's loss (official: 0.1)
+    bias_epochs: int | None = None  # epochs of the bias stage over the memory (null: 2 x trainer.epochs, _BIAS_EPOCHS)
+    bias_lr: float | None = None  # the bias stage's learning rate (null: trainer.lr)
+
+    def __post_init__(self) -> None:
+        require(math.isfinite(self.T) and self.T > 0, "method.T", self.T, "a finite float > 0")
+        require(
+            math.isfinite(self.gamma_penalty) and self.gamma_penalty >= 0,
+            "method.gamma_penalty",
+            self.gamma_penalty,
+            "a finite float >= 0",
+        )
+        require(
+            self.bias_epochs is None or (isinstance(self.bias_epochs, int) and self.bias_epochs >= 0),
+            "method.bias_epochs",
+            self.bias_epochs,
+            "null (2 x trainer.epochs) or an integer >= 0",
+        )
+        require(
+            self.bias_lr is None or (math.isfinite(self.bias_lr) and self.bias_lr > 0),
+            "method.bias_lr",
+            self.bias_lr,
+            "null (trainer.lr) or a finite float > 0",
+        )
+
+
+def distillation_weight(old: int, new: int) -> float:
+    """λ = n / (n + m): the distillation's share of stage 1's loss with n old and m new classes."""
+    return old / (old + new)
+
+
+def bias_correct(logits: torch.Tensor, start: int, beta: torch.Tensor, gamma: torch.Tensor) -> torch.Tensor:
+    """``logits`` with its columns from ``start`` on (the newest task's block) mapped to β·o + γ, the rest unchanged."""
+    return torch.cat([logits[:, :start], beta * logits[:, start:] + gamma], dim=1)
+
+
+class BiC(Method):
+    Config = BiCConfig
+    memory_sampler: ClassVar[str | None] = "herding"
+    needs_memory: ClassVar[bool] = True
+
+    def __init__(self, backbone, benchmark: Benchmark, config: BiCConfig) -> None:
+        if any(isinstance(split.x, DiskImages) for split in benchmark.train):
+            raise ConfigError(
+                "Invalid value for `data.store`: stream. Allowed: device (or auto where it keeps the images in memory) "
+                "with BiC, whose first stage trains on the task's images and the memory's together: a streamed task "
+                "split cannot be joined with the in-memory rehearsal memory."
+            )
+        super().__init__(backbone, benchmark, config)
+        self.beta = nn.ParameterList()  # per task; the latest one corrects CIL predictions
+        self.gamma = nn.ParameterList()
+        self.teacher: Teacher | None = None
+        self.stage = "train"  # the phase under way (set by before_phase, which a resume's replay also calls)
+
+    # ----------------------------------------------------------------------------- lifecycle
+    def before_task(self, task: Task) -> None:
+        """The task's head and (β, γ) = (1, 0); the teacher: the model as it is at the task's start (from task 1)."""
+        super().before_task(task)
+        self.add_bias()
+        self.teacher = Teacher(self.backbone, list(self.heads[: task.id])) if task.id else None
+
+    def add_bias(self) -> None:
+        device = self.backbone.cls_token.device
+        self.beta.append(nn.Parameter(torch.ones(1, device=device)))
+        self.gamma.append(nn.Parameter(torch.zeros(1, device=device)))
+
+    def after_task(self, task: Task) -> None:
+        """Drop the teacher; every parameter requires grad again (the storage count sees the whole model)."""
+        self.teacher = None
+        self.stage = "train"
+        self.requires_grad_(True)
+
+    def phases(self, task: Task, epochs: int) -> list[Phase]:
+        """Stage 1 (on the task's data and the memory), the memory update, then (from task 1) the bias stage."""
+        bias = self.config.bias_epochs if self.config.bias_epochs is not None else 2 * epochs
+        out = [Phase("train", epochs, data="task+memory" if task.id else "task"), *self.memory_phase()]
+        return [*out, Phase("bias", bias, data="memory")] if task.id else out
+
+    def before_phase(self, task: Task, phase: Phase) -> None:
+        self.stage = phase.name
+
+    def train(self, mode: bool = True) -> BiC:
+        """As any module; in the bias stage the backbone and heads stay in eval mode (their logits are the test's)."""
+        super().train(mode)
+        if getattr(self, "stage", None) == "bias":
+            self.backbone.train(False)
+            self.heads.train(False)
+        return self
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        """Stage 1: the backbone and every head; the bias stage: (β_t, γ_t) alone."""
+        self.requires_grad_(False)
+        if phase.name == "bias":
+            self.beta[task.id].requires_grad_(True)
+            self.gamma[task.id].requires_grad_(True)
+            group: dict[str, Any] = {"params": [self.beta[task.id], self.gamma[task.id]]}
+            if self.config.bias_lr is not None:
+                group["lr"] = self.config.bias_lr
+            return [group]
+        self.backbone.requires_grad_(True)
+        self.heads.requires_grad_(True)
+        return [{"params": [*self.backbone.parameters(), *self.heads.parameters()]}]
+
+    # ----------------------------------------------------------------------------- losses
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        if self.stage == "bias":
+            return self.bias_loss(x, y, task)
+        logits = self.raw_seen_logits(self.features(x, task.id))
+        ce = F.cross_entropy(logits, y)
+        if self.teacher is None:
+            return ce, {}
+        lam = distillation_weight(task.offset, task.num_classes)
+        kd = distillation(logits[:, : task.offset], self.teacher_logits(x, task), self.config.T)
+        return lam * kd + (1 - lam) * ce, {"kd": kd.detach(), "ce": ce.detach()}
+
+    @torch.no_grad()
+    def teacher_logits(self, x: torch.Tensor, task: Task) -> torch.Tensor:
+        """The teacher's logits over the old classes, its newest block (task t − 1) corrected by that task's (β, γ)."""
+        assert self.teacher is not None
+        old = torch.cat(self.teacher.logits(x), dim=1)
+        last = self.tasks[task.id - 1]
+        return bias_correct(old, last.offset, self.beta[task.id - 1].detach(), self.gamma[task.id - 1].detach())
+
+    def bias_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        """CE over every seen class of the corrected logits + γ_t²·penalty/2; only (β_t, γ_t) get gradients."""
+        with torch.no_grad():
+            logits = self.raw_seen_logits(self.features(x, task.id)).float()
+        beta, gamma = self.beta[task.id], self.gamma[task.id]
+        ce = F.cross_entropy(bias_correct(logits, task.offset, beta, gamma), y)
+        penalty = self.config.gamma_penalty * gamma.square().sum() / 2
+        return ce + penalty, {"beta": beta.detach().sum(), "gamma": gamma.detach().sum()}
+
+    # ----------------------------------------------------------------------------- inference
+    def raw_seen_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Every seen head's logits, uncorrected."""
+        return super().seen_logits(feats)
+
+    def seen_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """CIL logits: the newest task's block corrected by its (β, γ), the older blocks as they are."""
+        logits = self.raw_seen_logits(feats)
+        last = self.num_seen - 1
+        if last < 0:
+            return logits
+        return bias_correct(logits, self.tasks[last].offset, self.beta[last], self.gamma[last])
+
+    # ----------------------------------------------------------------------------- bookkeeping
+    def storage(self) -> dict[str, Any]:
+        out = super().storage()
+        for entry in out["bits_per_task"]:
+            entry["bias"] = 2 * 32  # (β_t, γ_t) in fp32
+        return out
+
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        out = super().artifacts()
+        for t in range(self.num_seen):
+            out[f"bias.beta.{t}"] = self.beta[t].detach().clone()
+            out[f"bias.gamma.{t}"] = self.gamma[t].detach().clone()
+        return out
+
+    @torch.no_grad()
+    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_artifacts(tensors)
+        for t in range(self.num_seen):
+            self.add_bias()
+            self.beta[t].copy_(tensors[f"bias.beta.{t}"])
+            self.gamma[t].copy_(tensors[f"bias.gamma.{t}"])
+
+    def extra_results(self) -> dict[str, Any]:
+        return {
+            "bic": {
+                "beta": [float(b.detach()) for b in self.beta],
+                "gamma": [float(g.detach()) for g in self.gamma],
+                "bias_fit_on": "the whole updated memory (no held-out validation share)",
+            }
+        }
