@@ -6,7 +6,7 @@ import pytest
 
 from clbench.bench.cli import measure, parse
 from clbench.methods import TRAINED
-from conftest import attention_ops
+from conftest import attention_ops, baselines_slow
 
 KEYS = {
     "name",
@@ -68,7 +68,7 @@ def test_target_ratios_follow_their_definitions() -> None:
     assert target_ratios([{"name": "l2p", "error": "x"}])["l2p_step_vs_frozen_plus_inference"] is None
 
 
-@pytest.mark.parametrize("name", [m for m in TRAINED if m != "joint"])
+@pytest.mark.parametrize("name", baselines_slow([m for m in TRAINED if m != "joint"]))
 def test_every_method_trains_with_fused_attention(name: str) -> None:
     """PyTorch's fused scaled-dot-product attention in every method's real step, no softmax of attention maps
     (cross-entropy's log-softmax aside): MEAT's token masks and L2P's prompts included."""

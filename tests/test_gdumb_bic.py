@@ -233,8 +233,8 @@ def test_bic_runs_and_evaluates_again_from_its_folder(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("overrides", "crash_at"),
     [
-        (GDUMB, 7),  # task 1's fit, epoch 2: the replay resets the model, the checkpoint then fills it
-        ((*BIC, "method.bias_epochs=2"), 16),  # task 1's bias stage, epoch 2
+        pytest.param(GDUMB, 7, marks=pytest.mark.slow),  # task 1's fit, epoch 2: the replay resets the model first
+        pytest.param((*BIC, "method.bias_epochs=2"), 16, marks=pytest.mark.slow),  # task 1's bias stage, epoch 2
         ((*BIC, "method.bias_epochs=2"), 21),  # task 2's stage 1, epoch 2: the teacher (and task 1's β, γ) restored
     ],
 )

@@ -270,6 +270,7 @@ def test_a_tiny_classifier_run_ends_with_exactly_zero_til_forgetting(tmp_path: P
     assert res["storage"]["bits_per_task"] == [{"head": 32 * 33 * 2}] * 3  # a 32-wide head of 2 classes a task
 
 
+@pytest.mark.slow  # 15 s; the every-method crash test covers them too in test-all
 @pytest.mark.parametrize("row", ["adapter", "individual"])
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: str

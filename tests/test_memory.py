@@ -94,6 +94,7 @@ def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slo
         "bytes_task_ids": 24,
         "bytes_logits": 48,
         "per_class_counts": None,
+        "validation_samples": 0,
     }
 
 
@@ -101,13 +102,13 @@ def test_the_uniform_sampler_keeps_a_uniform_subset_of_each_tasks_first_epoch() 
     """L2P's buffer (libml/continual_buffer.py): per_class x the task's classes slots of the task's own, filled from
     its first epoch only; a later task's images go to its own slots."""
     mem = memory(0, "uniform", per_class=2)
-    mem.start_task(TASK, images=6)
+    mem.start_task(TASK, torch.tensor([0, 1] * 3))
     torch.manual_seed(0)
     for epoch in range(3):  # only the first 6 images offered (the first epoch) can enter
         mem.insert(images_of([epoch * 10 + i for i in range(6)]), torch.tensor([0, 1, 0, 1, 0, 1]), 0)
     kept = mem.images[:4, 0, 0, 0].tolist()
     assert len(set(kept)) == 4 and all(k < 6 for k in kept)
-    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), images=4)
+    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), torch.tensor([2, 3, 2, 3]))
     mem.insert(images_of([40, 41, 42, 43]), torch.tensor([2, 3, 2, 3]), 1)
     assert mem.images[:4, 0, 0, 0].tolist() == kept and set(mem.images[4:8, 0, 0, 0].tolist()) == {40, 41, 42, 43}
     assert mem.tasks[:8].tolist() == [0] * 4 + [1] * 4
@@ -187,7 +188,12 @@ def matrices(path: Path) -> dict:
 
 
 @pytest.mark.parametrize(
-    "overrides", [("method=er",), ("method=derpp",), ("method=l2p", "memory.per_class=4", "trainer.epochs=3")]
+    "overrides",
+    [
+        ("method=er",),
+        pytest.param(("method=derpp",), marks=pytest.mark.slow),
+        pytest.param(("method=l2p", "memory.per_class=4", "trainer.epochs=3"), marks=pytest.mark.slow),
+    ],
 )
 def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...]
@@ -249,10 +255,39 @@ def test_a_replaying_loss_compiles_as_one_graph(overrides: tuple[str, ...]) -> N
     method, rt = build_runtime(tiny_config(*overrides))
     task = rt.benchmark.tasks[0]
     method.before_task(task)
-    method.memory.start_task(task, 100)
+    method.memory.start_task(task, torch.zeros(100, dtype=torch.long))
     x, y = rt.benchmark.train[0].batch(None, 0, 8)
     method.memory.insert(x, y, 0, torch.zeros(8, 2) if method.memory.keeps_logits else None)
     method.memory.offer_counted(8)
     torch._dynamo.reset()
     explained = torch._dynamo.explain(method.training_loss)(rt.train_tf(x), y, task, replay=draw_replay(method, rt))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_stage_sees() -> None:
+    """BiC's split (⌊0.1 · quota⌋ a class, at least one): a new class's validation images are drawn at the task's
+    start and left out of every training phase's data; the memory keeps them apart from its training images."""
+    from clbench.data import Split
+    from clbench.loop.task import phase_data
+    from clbench.methods.base import Phase
+
+    config = MemoryConfig(per_class=10)
+    mem = Memory(config, "balanced", num_classes=4, image_shape=(1, 2, 2), holdout=0.1)
+    labels = torch.tensor([0, 1] * 20)
+    torch.manual_seed(0)
+    mem.start_task(TASK, labels)
+    assert len(mem.held_out) == 2 and sorted(labels[mem.held_out].tolist()) == [0, 1]
+
+    class Owner:
+        memory = mem
+
+    split = Split(images_of(list(range(40))), labels)
+    trained = phase_data(Owner, Phase("train", 1), split)  # type: ignore[arg-type]
+    assert len(trained) == 38 and not set(trained.x[:, 0, 0, 0].tolist()) & set(mem.held_out)
+    plan = mem.plan(TASK, labels)
+    mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0)
+    validation = phase_data(Owner, Phase("bias", 1, data="validation"), split)  # type: ignore[arg-type]
+    assert sorted(validation.x[:, 0, 0, 0].tolist()) == mem.held_out
+    memory_part = phase_data(Owner, Phase("fit", 1, data="memory"), split)  # type: ignore[arg-type]
+    assert len(memory_part) == 18 and not set(memory_part.x[:, 0, 0, 0].tolist()) & set(mem.held_out)
+    assert mem.storage()["validation_samples"] == 2

@@ -169,7 +169,10 @@ def test_the_papers_own_rows_are_the_existing_paper_presets(row: str, paper: str
     assert as_setting(row) == as_setting(paper)
 
 
-@pytest.mark.parametrize("row", ["l2p_table1_ft_seq", until_it_lands("l2p_table1_er_10", "er", memory=True)])
+@pytest.mark.parametrize(
+    "row",
+    [pytest.param("l2p_table1_ft_seq", marks=pytest.mark.slow), until_it_lands("l2p_table1_er_10", "er", memory=True)],
+)
 def test_an_l2p_row_takes_a_step_on_the_real_cifar100_layout(tmp_path: Path, row: str) -> None:
     write_cifar100(tmp_path)
     cfg = validate(compose_config(f"experiment={row}", f"data.root={tmp_path}", "data.verify_checksums=false", *SHRINK))
@@ -179,6 +182,7 @@ def test_an_l2p_row_takes_a_step_on_the_real_cifar100_layout(tmp_path: Path, row
     assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, 224, 224)
 
 
+@pytest.mark.slow  # 10 s: six datasets written and decoded at 224 px
 def test_a_meat_row_with_its_own_optimizer_takes_a_step_on_its_datasets(tmp_path: Path) -> None:
     """HAT under MEAT's DeiT recipe (mixup / cutmix soft targets, RandAugment) with HAT's SGD."""
     for name in ("cub200", "stanford_cars", "fgvc_aircraft", "wikiart", "sketches"):

@@ -12,6 +12,7 @@ import yaml
 from safetensors.torch import load_file
 
 from clbench.comparable import setting_name
+from clbench.methods import BASELINES
 from conftest import TINY, clbench, tiny_fit, torchrun
 
 SHORT = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
@@ -76,7 +77,8 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
 
 
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all
-    "method", ["finetune", *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt"))]
+    "method",
+    ["finetune", *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt", *BASELINES))],
 )
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too

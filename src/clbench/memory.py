@@ -51,14 +51,14 @@ NO_LIMIT = 2**62  # the reservoir offers every image
 @dataclass
 class Plan:
     """What a task sampler decided: slots it frees, and {slot: (row of the task's training data, rank within its
-    class)} it fills."""
+    class and part, whether it is a held-out validation image)} it fills."""
 
     freed: list[int] = field(default_factory=list)
-    taken: dict[int, tuple[int, int]] = field(default_factory=dict)
+    taken: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
 
     def rows(self) -> list[int]:
         """The task's rows the plan stores, sorted (the order :meth:`Memory.write` reads their images in)."""
-        return sorted({row for row, _ in self.taken.values()})
+        return sorted({row for row, _, _ in self.taken.values()})
 
 
 class Memory(nn.Module):
@@ -74,6 +74,7 @@ class Memory(nn.Module):
         num_classes: int,
         image_shape: tuple[int, ...],
         logits: bool = False,
+        holdout: float = 0.0,
         device: torch.device | str = "cpu",
     ) -> None:
         super().__init__()
@@ -86,6 +87,10 @@ class Memory(nn.Module):
         # Priority of a slot within its class (balanced, herding): a shrink frees a class's highest ranks first.
         self.register_buffer("rank", torch.zeros(rows, dtype=torch.long, device=device))
         self.register_buffer("offered", torch.zeros((), dtype=torch.long, device=device))  # images offered so far
+        # A held-out validation image (BiC): never trained on by the model, only by the bias layer.
+        self.register_buffer("validation", torch.zeros(rows, dtype=torch.bool, device=device))
+        self.holdout = holdout  # the share of each class's images in memory held out for validation
+        self.held_out: list[int] = []  # rows of the current task's training data held out of its training
         self.keeps_logits = logits
         if logits:  # DER++: the logits over the classes seen at insertion, padded to every class, and their width
             self.register_buffer("logits", torch.zeros((rows, num_classes), dtype=torch.float32, device=device))
@@ -100,25 +105,40 @@ class Memory(nn.Module):
     def empty(self) -> bool:
         return self.held == 0
 
-    def held_split(self) -> Split:
-        """The held images and labels as a training split (GDumb's fit, BiC's merged data)."""
-        held = (self.labels[: self.capacity] >= 0).nonzero().flatten()
+    def held_split(self, validation: bool = False) -> Split:
+        """The held training images (GDumb's fit, BiC's first stage) or (``validation``) the held-out validation
+        images (BiC's bias stage) and their labels, as a split."""
+        part = (self.labels[: self.capacity] >= 0) & (self.validation[: self.capacity] == validation)
+        held = part.nonzero().flatten()
         return Split(self.images[held], self.labels[held])
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"held": self.held, "region": list(self.region)}
+        return {"held": self.held, "region": list(self.region), "held_out": list(self.held_out)}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.held = int(state["held"])
         lo, length, limit = (int(v) for v in state["region"])
         self.region = (lo, length, limit)
+        self.held_out = [int(r) for r in state.get("held_out", [])]
 
-    def start_task(self, task: Task, images: int) -> None:
-        """At a task's start (``images``: its training images): the uniform sampler's slots for the task and its count
-        of offered images, from zero."""
+    def validation_share(self, quota: int) -> int:
+        """Of a class's ``quota`` images in memory, those held out for validation: ⌊holdout · quota⌋, at least one
+        (BiC's code: ⌊0.1 · nb_proto⌋ of its nb_proto exemplars a class)."""
+        return max(1, int(self.holdout * quota)) if self.holdout else 0
+
+    def start_task(self, task: Task, labels: torch.Tensor) -> None:
+        """At a task's start (``labels``: its training images' labels, on the host): the validation images held out of
+        its training (a random :meth:`validation_share` of each new class), and the uniform sampler's slots for the
+        task and its count of offered images, from zero."""
+        if self.holdout:
+            share = self.validation_share(self.quota(task.offset + task.num_classes))
+            picks = [(labels == c).nonzero().flatten() for c in range(task.offset, task.offset + task.num_classes)]
+            if any(len(rows) <= share for rows in picks):
+                raise ValueError(f"a class of task {task.id} has too few images to hold {share} out for validation")
+            self.held_out = sorted(r for rows in picks for r in rows[torch.randperm(len(rows))[:share]].tolist())
         if self.sampler != "uniform":
             return
-        classes = self.num_classes
+        classes, images = self.num_classes, len(labels)
         if self.per_class is not None:
             lo, length = self.per_class * task.offset, self.per_class * task.num_classes
         else:
@@ -179,21 +199,28 @@ class Memory(nn.Module):
             return self._greedy(labels)
         seen = task.offset + task.num_classes
         quota = self.quota(seen)
-        if quota < 1:
+        share = self.validation_share(quota)
+        if quota - share < 1:
             raise ValueError(f"a memory of {self.capacity} images cannot hold one image of each of {seen} classes")
         held = self.labels[: self.capacity].cpu() >= 0
-        shrunk = held & (self.rank[: self.capacity].cpu() >= quota)  # each old class keeps its first `quota`
+        validation = self.validation[: self.capacity].cpu()
+        # each old class keeps its first `quota - share` training images and its first `share` validation ones
+        shrunk = held & (self.rank[: self.capacity].cpu() >= torch.where(validation, share, quota - share))
         free = (~held | shrunk).nonzero().flatten().tolist()
         plan = Plan(freed=shrunk.nonzero().flatten().tolist())
+        out = torch.zeros(len(labels), dtype=torch.bool)
+        out[self.held_out] = True
         for c in range(task.offset, seen):
-            rows = (labels == c).nonzero().flatten()
+            rows = ((labels == c) & ~out).nonzero().flatten()
             if self.sampler == "herding":
                 assert features is not None, "herding needs the images' features"
-                rows = rows[herding(features[rows].float(), min(quota, len(rows)))]
+                rows = rows[herding(features[rows].float(), min(quota - share, len(rows)))]
             else:
-                rows = rows[torch.randperm(len(rows))[:quota]]
+                rows = rows[torch.randperm(len(rows))[: quota - share]]
             for k, row in enumerate(rows.tolist()):
-                plan.taken[free.pop(0)] = (row, k)
+                plan.taken[free.pop(0)] = (row, k, False)
+            for k, row in enumerate(((labels == c) & out).nonzero().flatten().tolist()):
+                plan.taken[free.pop(0)] = (row, k, True)
         return plan
 
     def _greedy(self, labels: torch.Tensor) -> Plan:
@@ -221,7 +248,7 @@ class Memory(nn.Module):
                 if plan.taken.pop(s, None) is None:
                     plan.freed.append(s)
             by_class.setdefault(c, []).append(s)
-            plan.taken[s] = (row, 0)
+            plan.taken[s] = (row, 0, False)
         return plan
 
     @torch.no_grad()
@@ -234,11 +261,12 @@ class Memory(nn.Module):
             at = {row: i for i, row in enumerate(plan.rows())}
             dev = self.labels.device
             slots = torch.tensor(list(plan.taken), device=dev)
-            picks = torch.tensor([at[row] for row, _ in plan.taken.values()], device=images.device)
+            picks = torch.tensor([at[row] for row, _, _ in plan.taken.values()], device=images.device)
             self.images[slots] = images[picks].to(dev)
             self.labels[slots] = labels[picks].to(dev)
             self.tasks[slots] = task_id
-            self.rank[slots] = torch.tensor([k for _, k in plan.taken.values()], device=dev)
+            self.rank[slots] = torch.tensor([k for _, k, _ in plan.taken.values()], device=dev)
+            self.validation[slots] = torch.tensor([v for _, _, v in plan.taken.values()], device=dev)
         self.held = int((self.labels[: self.capacity] >= 0).sum())
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -257,6 +285,7 @@ class Memory(nn.Module):
             "bytes_task_ids": samples * self.tasks.element_size(),
             "bytes_logits": samples * self.num_classes * 4 if self.keeps_logits else 0,
             "per_class_counts": counts,
+            "validation_samples": int((held & self.validation[: self.capacity]).sum()),
         }
 
 

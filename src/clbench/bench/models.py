@@ -19,7 +19,7 @@ import argparse
 import torch
 
 from clbench.bench.timing import Entry, Waits, compose
-from clbench.methods import TRAINED
+from clbench.methods import BASELINES, TRAINED
 
 METHODS = TRAINED  # every method with a training step
 PROMPTS = ("l2p", "dualprompt", "coda_prompt")  # held to L2P's step (frozen backbone, a query pass)
@@ -62,19 +62,25 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
     from clbench.loop.optim import build_optimizer, rates_on_device
     from clbench.loop.runtime import build_runtime, replay_rows
     from clbench.loop.step import Stepper, TaskLoss, train_step
+    from clbench.loop.task import run_task
 
-    cfg = compose([*overrides(args, name), *extra])
+    # The baselines step at their second task, where what they add is in play (EWC's penalty, LwF's and BiC's
+    # teacher, the memory's replay); the first task is trained for an epoch before it.
+    cfg = compose([*overrides(args, name, 2 if name in BASELINES else 1), *extra])
     method, rt = build_runtime(cfg)
-    task = rt.benchmark.tasks[0]
-    method.before_task(task)
-    if method.memory is not None:
-        method.memory.start_task(task, len(rt.benchmark.train[0]))
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        if method.memory is not None:
+            method.memory.start_task(task, rt.benchmark.train[task.id].y.cpu())
+        if task.id < len(rt.benchmark.tasks) - 1:
+            run_task(method, task, rt, epochs=1)
+            method.after_task(task)
     phase = next(p for p in method.phases(task, 1) if not (p.observe or p.memory))
     method.before_phase(task, phase)
     optimizer = build_optimizer(method, task, phase, cfg.trainer, capturable=rt.accel.graphs)
     rates_on_device(optimizer, rt.device)
     stepper = Stepper(method, task, rt, optimizer)
-    split = rt.benchmark.train[0]
+    split = rt.benchmark.train[task.id]
     order = split.permutation()
     method.train()
     batches = split.num_batches(args.batch_size)

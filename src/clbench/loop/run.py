@@ -174,7 +174,7 @@ def start_task(method: Method, task: Task, rt: Runtime, results: Results) -> Non
     R[j-1][j]; its CIL accuracy is 0: no guess can hit classes not yet seen)."""
     method.before_task(task)
     if method.memory is not None:
-        method.memory.start_task(task, len(rt.benchmark.train[task.id]))
+        method.memory.start_task(task, rt.benchmark.train[task.id].y.cpu())
     if task.id > 0:
         before = rt.evaluate(method, [task.id], ("til",))
         results.before_task["til"][task.id] = before.accuracy["til"][0]

@@ -182,6 +182,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
             num_classes=benchmark.num_classes,
             image_shape=tuple(benchmark.train[0].x.shape[1:]),
             logits=method.memory_logits,
+            holdout=method.memory_holdout,
             device=device,
         )
     size = cfg.backbone.img_size

@@ -84,13 +84,20 @@ def run_task(
 
 
 def phase_data(method: Method, phase: Phase, split: Split) -> Split:
-    """What a training phase trains on: the task's ``split``, the memory's images, or both (:attr:`Phase.data`)."""
+    """What a training phase trains on (:attr:`Phase.data`): the task's ``split`` (less the images the memory holds
+    out for validation), the memory's training images, both, or the memory's validation images."""
+    memory = method.memory
+    if memory is not None and memory.held_out and phase.data in ("task", "task+memory"):
+        kept = torch.ones(len(split), dtype=torch.bool)
+        kept[memory.held_out] = False
+        index = kept.nonzero().flatten().to(split.y.device)
+        split = Split(split.x[index], split.y[index])
     if phase.data == "task":
         return split
-    if method.memory is None or method.memory.empty:
+    if memory is None or memory.empty:
         raise RuntimeError(f"the {phase.name} phase trains on the memory, which holds nothing")
-    held = method.memory.held_split()
-    return held if phase.data == "memory" else Split.cat([split, held])
+    held = memory.held_split(validation=phase.data == "validation")
+    return Split.cat([split, held]) if phase.data == "task+memory" else held
 
 
 @torch.no_grad()

@@ -47,7 +47,8 @@ class Phase:
     batch to :meth:`Method.observe` (SimpleCIL's prototypes). A ``memory`` phase updates the rehearsal memory from the
     task's training data with its sampler (balanced, herding, greedy). ``data``: what a training phase trains on:
     ``task`` (the task's data, or what :meth:`Method.train_task_ids` names), ``memory`` (the memory alone: GDumb's
-    fit) or ``task+memory`` (both, shuffled together: BiC)."""
+    fit), ``task+memory`` (both, shuffled together: BiC) or ``validation`` (the memory's held-out images: BiC's bias
+    stage). The images a memory holds out for validation are left out of the other three."""
 
     name: str
     epochs: int
@@ -81,6 +82,7 @@ class Method(nn.Module):
     needs_memory: ClassVar[bool] = False
     replay_draws: ClassVar[int] = 0
     memory_logits: ClassVar[bool] = False
+    memory_holdout: ClassVar[float] = 0.0  # the share of each class's memory held out for validation (BiC: 0.1)
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()

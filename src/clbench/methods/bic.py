@@ -13,11 +13,13 @@ Rules (§9.1, §9.4), for task t with n old and m new classes:
   (task t − 1's classes) is first corrected with that task's (β, γ) (L560-578): for t ≥ 2, since task 0 has no bias
   stage (its (β, γ) stay (1, 0)). The first task (nothing old, empty memory) trains on its data with L_c alone.
 - Memory (§2.2d): herding on the model's pre-logit features after stage 1 (``memory_sampler = "herding"``,
-  :func:`clbench.memory.herding`).
-- Stage 2 (phase ``bias``, ``Phase(data="memory")``, t ≥ 1): only (β_t, γ_t) train (the backbone and the heads are out
-  of the optimizer and run in eval mode without gradients, §9.3 defect 1 not copied): q = β_t·o + γ_t on the newest
-  task's logits, the others unchanged; loss = CE over every seen class + ``gamma_penalty``·γ_t²/2 (0.1, L633-637,
-  L661-662); β = 1, γ = 0 initially (L587-595).
+  :func:`clbench.memory.herding`), and a held-out validation share (``memory_holdout`` = 0.1: ⌊0.1 · quota⌋ images of
+  each class, at least one; the official ⌊0.1 · nb_proto⌋): a new class's validation images are drawn at random at
+  the task's start and left out of its training; stage 1 never trains on them, nor on the old classes' ones.
+- Stage 2 (phase ``bias``, ``Phase(data="validation")``: the held-out images of every seen class, t ≥ 1): only
+  (β_t, γ_t) train (the backbone and the heads are out of the optimizer and run in eval mode without gradients, §9.3
+  defect 1 not copied): q = β_t·o + γ_t on the newest task's logits, the others unchanged; loss = CE over every
+  seen class + ``gamma_penalty``·γ_t²/2 (0.1, L633-637, L661-662); β = 1, γ = 0 initially (L587-595).
 - Prediction: CIL = argmax over [old logits, β_t·newest + γ_t] with the latest task's (β, γ) only (L505-521;
   :meth:`seen_logits`); earlier (β, γ) only shape distillation targets. TIL = the task's own head, uncorrected (an
   affine map with β > 0 leaves the argmax within a block unchanged).
@@ -26,12 +28,10 @@ Rules (§9.1, §9.4), for task t with n old and m new classes:
 checkpoint fills them; :meth:`artifacts` saves them (``bias.beta.<t>``, ``bias.gamma.<t>``) so clbench-eval reproduces
 the predictions. The teacher exists during a task only (buffers, in the checkpoint mid-task, not in the artifacts).
 
-Departures: the bias layer is fit on the whole updated memory, not on a held-out validation share of it (§2.2d,
-§9.4: 10% of each class's memory share, the new classes' taken out of the task's training data): holding samples out
-needs the loop's task split and the memory's training split to exclude them, which clbench's loop does not offer, so
-the bias stage sees images stage 1 trained on (the new classes' exemplars were fit in stage 1, the correction it
-learns is likely smaller than BiC's). ``data.store=stream`` is refused (the stage-1 union of a streamed task split and
-the in-memory memory is not supported). The recipe is clbench's (conf/method/bic.yaml), not BiC's ResNet-18 SGD one.
+Departures: the validation images are held out task by task (a class's when it arrives), not for every class of the
+benchmark before the first task (§9.3, 3). ``data.store=stream`` is refused (the stage-1 union of a streamed task
+split and the in-memory memory is not supported). The recipe is clbench's (conf/method/bic.yaml), not BiC's
+ResNet-18 SGD one.
 """
 
 from __future__ import annotations
@@ -95,6 +95,7 @@ class BiC(Method):
     Config = BiCConfig
     memory_sampler: ClassVar[str | None] = "herding"
     needs_memory: ClassVar[bool] = True
+    memory_holdout: ClassVar[float] = 0.1  # of each class's memory share, held out for the bias stage (official)
 
     def __init__(self, backbone, benchmark: Benchmark, config: BiCConfig) -> None:
         if any(isinstance(split.x, DiskImages) for split in benchmark.train):
@@ -131,7 +132,7 @@ class BiC(Method):
         """Stage 1 (on the task's data and the memory), the memory update, then (from task 1) the bias stage."""
         bias = self.config.bias_epochs if self.config.bias_epochs is not None else 2 * epochs
         out = [Phase("train", epochs, data="task+memory" if task.id else "task"), *self.memory_phase()]
-        return [*out, Phase("bias", bias, data="memory")] if task.id else out
+        return [*out, Phase("bias", bias, data="validation")] if task.id else out
 
     def before_phase(self, task: Task, phase: Phase) -> None:
         self.stage = phase.name
@@ -227,6 +228,6 @@ class BiC(Method):
             "bic": {
                 "beta": [float(b.detach()) for b in self.beta],
                 "gamma": [float(g.detach()) for g in self.gamma],
-                "bias_fit_on": "the whole updated memory (no held-out validation share)",
+                "bias_fit_on": "the memory's held-out validation images (never trained on by the model)",
             }
         }
