@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -207,7 +208,7 @@ def trained_first_task(*overrides: str) -> tuple[LwF, object]:
 
 @pytest.mark.parametrize("scope", ["til", "cil"])
 def test_kd_before_the_first_update_is_the_teacher_entropy_with_zero_gradient(scope: str) -> None:
-    method, rt = trained_first_task(f"method.scope={scope}", "data.num_tasks=3")
+    method, rt = trained_first_task(f"method.scope={scope}", "data.num_tasks=3", "method.teacher=online")
     t1 = rt.benchmark.tasks[1]
     method.before_task(t1)
     method.before_phase(t1, Phase("train", 1))
@@ -239,7 +240,7 @@ def test_kd_before_the_first_update_is_the_teacher_entropy_with_zero_gradient(sc
 
 
 def test_warmup_leaves_the_backbone_and_old_heads_bit_identical_and_the_teacher_out_of_the_optimizer() -> None:
-    method, rt = trained_first_task("trainer.weight_decay=0.1")
+    method, rt = trained_first_task("trainer.weight_decay=0.1", "method.teacher=online")
     t1 = rt.benchmark.tasks[1]
     method.before_task(t1)
     assert not any(n.startswith("teacher.") for n, _ in method.named_parameters())
@@ -254,6 +255,26 @@ def test_warmup_leaves_the_backbone_and_old_heads_bit_identical_and_the_teacher_
     for k, v in before.items():
         assert torch.equal(after[k], v), k
     assert not torch.equal(method.heads[1].weight, new_head)
+
+
+def test_a_recorded_teacher_reads_back_the_teachers_logits_by_position() -> None:
+    """teacher=recorded: the record phase (test transform, eval mode) stores the teacher's logits at each image's
+    position in the task's data; a batch's ids read back what the frozen copy gives those images."""
+    from clbench.loop.task import observe_pass
+
+    method, rt = trained_first_task("data.num_tasks=3")
+    t1 = rt.benchmark.tasks[1]
+    method.before_task(t1)
+    phases = method.phases(t1, 1)
+    assert [p.name for p in phases] == ["record", "warmup", "train"] and method.takes_ids()
+    frozen = copy.deepcopy(method.teacher)
+    method.before_phase(t1, phases[0])
+    observe_pass(method, t1, rt.benchmark.train[1], rt)
+    method.before_phase(t1, phases[1])
+    assert method.teacher is None  # not needed once recorded
+    ids = torch.tensor([5, 0, 3])
+    x = rt.test_tf(rt.benchmark.train[1].x[ids])
+    torch.testing.assert_close(method.teacher_targets(x, t1, ids), torch.cat(frozen.logits(x), 1), rtol=1e-5, atol=1e-6)
 
 
 def test_lwf_config_is_validated() -> None:

@@ -92,8 +92,9 @@ def test_bic_lambda() -> None:
 
 @pytest.fixture(scope="module")
 def bic() -> BiC:
-    """A BiC on TINY (3 tasks of 2 classes) taken to task 2 without training: teacher of tasks 0-1 built."""
-    method, _ = build_runtime(tiny_config(*BIC))
+    """A BiC on TINY (3 tasks of 2 classes) taken to task 2 without training: teacher of tasks 0-1 built (online: the
+    recorded teacher stores what the same ``teacher_logits`` gives)."""
+    method, _ = build_runtime(tiny_config(*BIC, "method.teacher=online"))
     assert isinstance(method, BiC)
     for task in method.tasks:
         method.before_task(task)

@@ -75,7 +75,8 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
         if task.id < len(rt.benchmark.tasks) - 1:
             run_task(method, task, rt, epochs=1)
             method.after_task(task)
-    phase = next(p for p in method.phases(task, 1) if not (p.observe or p.memory))
+    trained = [p for p in method.phases(task, 1) if not (p.observe or p.memory)]
+    phase = next((p for p in trained if p.name == "train"), trained[0])  # LwF's: after its head-only warm-up
     method.before_phase(task, phase)
     optimizer = build_optimizer(method, task, phase, cfg.trainer, capturable=rt.accel.graphs)
     rates_on_device(optimizer, rt.device)
@@ -86,15 +87,18 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
     batches = split.num_batches(args.batch_size)
     waits = Waits(split, args.batch_size) if extra else None
 
+    ids = order[: args.batch_size] if method.takes_ids() else None  # the batch's positions (recorded teachers)
+
     def step() -> None:  # what the loop does per batch
         x, y = waits.next() if waits else split.batch(order, 0, args.batch_size)
         method.before_step(task, 0, batches)
-        stepper(x, y)
+        stepper(x, y, ids)
 
     def eager() -> None:
         x, y = split.batch(order, 0, args.batch_size)
         method.before_step(task, 0, batches)
-        train_step(method, task, rt, x, y, optimizer=optimizer, params=stepper.params, model=TaskLoss(method, task))
+        model = TaskLoss(method, task)
+        train_step(method, task, rt, x, y, optimizer=optimizer, params=stepper.params, model=model, ids=ids)
 
     def data() -> None:
         rt.train_tf(split.batch(order, 0, args.batch_size)[0])

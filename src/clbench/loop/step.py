@@ -28,6 +28,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 from timm.data import Mixup
@@ -63,17 +64,17 @@ class TaskLoss(nn.Module):
         super().__init__()
         self.method, self.task, self.compiled, self.full, self.failed = method, task, compiled, full, failed
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor, **replay: tuple[Replay, ...]) -> StepOut:
+    def forward(self, x: torch.Tensor, y: torch.Tensor, **extra: Any) -> StepOut:
         if self.compiled is not None and len(x) == self.full:
             try:
-                return self.compiled(x, y, self.task, **replay)
+                return self.compiled(x, y, self.task, **extra)
             except torch.OutOfMemoryError:
                 raise
             except Exception as err:  # dynamo's errors, and torch's own asserts inside a compiled graph
                 if self.failed is None:
                     raise
                 self.failed(err)
-        return self.method.training_loss(x, y, self.task, **replay)
+        return self.method.training_loss(x, y, self.task, **extra)
 
 
 def train_step(
@@ -88,13 +89,15 @@ def train_step(
     model: nn.Module | None = None,
     mixing: Mixup | None = None,
     replay: bool = False,
+    ids: torch.Tensor | None = None,
 ) -> StepOut:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
     surgery, clipping, the optimizer step, the method's constraints, and the batch offered to a reservoir memory.
     Returns the detached loss (no host sync). ``model``: the :class:`TaskLoss` to run (DDP-wrapped in a multi-process
     run, where this rank trains on its share of the batch, its loss weighted so that the averaged gradients are the
     whole batch's). ``mixing``: the phase's :meth:`Runtime.mixup` (built once per phase, not per step). ``replay``:
-    draw the method's memory batches (augmented like the current batch) and hand them to its loss."""
+    draw the method's memory batches (augmented like the current batch) and hand them to its loss. ``ids``: the rows'
+    positions in the phase's data, for a method that :meth:`~clbench.methods.Method.takes_ids`."""
     labels = y
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
@@ -103,7 +106,9 @@ def train_step(
         x = x[part]
     else:  # an odd last batch is not mixed (timm's Mixup pairs images)
         x = rt.train_tf(x_raw, part)
-    extra = {"replay": draw_replay(method, rt)} if replay else {}
+    extra: dict[str, Any] = {"replay": draw_replay(method, rt)} if replay else {}
+    if ids is not None:
+        extra["ids"] = ids[part]
     with rt.autocast:
         y = y[part]
         loss, logs = model(x, y, **extra) if model is not None else method.training_loss(x, y, task, **extra)
@@ -157,13 +162,15 @@ class StepGraph:
 
     def __init__(
         self,
-        step: Callable[[torch.Tensor, torch.Tensor], StepOut],
+        step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], StepOut],
         x_raw: torch.Tensor,
         y: torch.Tensor,
+        ids: torch.Tensor | None = None,
         *,
         replays: bool = False,
     ) -> None:
         self.x, self.y, self.replays = x_raw.clone(), y.clone(), replays
+        self.ids = ids.clone() if ids is not None else None
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: CUDA calls of other threads (the stream loader's pin-memory thread) do not break the capture;
         # fail_on_recompile: a compile inside the capture (benchmarking kernels, syncing) is a clean Python error.
@@ -171,11 +178,13 @@ class StepGraph:
             torch.compiler.set_stance("fail_on_recompile") if hasattr(torch.compiler, "set_stance") else nullcontext()
         )
         with stance, torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.out = step(self.x, self.y)
+            self.out = step(self.x, self.y, self.ids)
 
-    def replay(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def replay(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         self.x.copy_(x_raw)
         self.y.copy_(y)
+        if self.ids is not None and ids is not None:
+            self.ids.copy_(ids)
         self.graph.replay()
         return self.out
 
@@ -203,29 +212,30 @@ class Stepper:
         self.warm = 0
         self.side = torch.cuda.Stream(rt.device) if rt.accel.graphs else None
 
-    def __call__(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def __call__(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
+        """One step on a raw batch (``ids``: its rows' positions in the phase's data, where the method takes them)."""
         memory = self.method.memory
         self.replay = bool(self.method.replay_draws) and memory is not None and not memory.empty
-        out = self.step(x_raw, y)
+        out = self.step(x_raw, y, ids)
         if memory is not None and memory.sampler in STEP_SAMPLERS:
             memory.offer_counted(len(y))  # the host's count of what the step offered (a graph replay runs no Python)
         return out
 
-    def step(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def step(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> StepOut:
         """One step: eager, on the warm-up side stream, captured, or replayed (a captured step replays only batches
         of its size that draw from the memory as it did)."""
         if not self.rt.accel.graphs or len(y) != self.full or (self.graph and self.graph.replays != self.replay):
-            out = self.eager(x_raw, y)
+            out = self.eager(x_raw, y, ids)
             if self.graph is not None:
                 self.optimizer.zero_grad(set_to_none=True)  # the graph keeps its own gradient buffers
             return out
         if self.graph is not None:
-            return self.graph.replay(x_raw, y)
+            return self.graph.replay(x_raw, y, ids)
         if self.warm < WARMUP_STEPS:
             self.warm += 1
-            return self.on_side_stream(x_raw, y)
+            return self.on_side_stream(x_raw, y, ids)
         try:  # captured without the eager fallback's retry: a retried step would be recorded twice
-            self.graph = StepGraph(self.take, x_raw, y, replays=self.replay)
+            self.graph = StepGraph(self.take, x_raw, y, ids, replays=self.replay)
         except torch.OutOfMemoryError:
             raise
         except RuntimeError as err:  # a failed capture leaves the allocator and the streams unsafe to go on with
@@ -234,29 +244,29 @@ class Stepper:
                 "Run the same command with trainer.cuda_graphs=false (and resume=true to go on from the last "
                 "checkpoint)."
             ) from err
-        return self.graph.replay(x_raw, y)
+        return self.graph.replay(x_raw, y, ids)
 
-    def eager(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def eager(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         """:func:`train_step` through the (compiled) task loss. Compiling the forward is done, or fails over to eager,
         in :class:`TaskLoss`; compiling the backward happens at the first ``backward()``, and a failure there falls
         back to eager and retakes the step (its augmentation drawn anew)."""
         record, before, start = self.rt.log, counters["stats"]["unique_graphs"], time.perf_counter()
         try:
-            out = self.take(x_raw, y)
+            out = self.take(x_raw, y, ids)
         except torch.OutOfMemoryError:
             raise
         except Exception as err:  # compiling the backward failed (an eager step's own error is raised again below)
             if self.loss.compiled is None:
                 raise
             self.stop_compiling(err)
-            return self.take(x_raw, y)
+            return self.take(x_raw, y, ids)
         new = counters["stats"]["unique_graphs"] - before
         if new:
             record.compiled_graphs += new
             record.compile_s += time.perf_counter() - start
         return out
 
-    def take(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def take(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         return train_step(
             self.method,
             self.task,
@@ -268,14 +278,15 @@ class Stepper:
             model=self.model,
             mixing=self.mixing,
             replay=self.replay,
+            ids=ids,
         )
 
-    def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor) -> StepOut:
+    def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> StepOut:
         """An eager warm-up step on a side stream, as CUDA graph capture wants its warm-up."""
         assert self.side is not None
         self.side.wait_stream(torch.cuda.current_stream(self.rt.device))
         with torch.cuda.stream(self.side):
-            out = self.eager(x_raw, y)
+            out = self.eager(x_raw, y, ids)
         torch.cuda.current_stream(self.rt.device).wait_stream(self.side)
         return out
 

@@ -73,7 +73,7 @@ def run_task(
             update_memory(method, task, rt)
             method.train()
         elif phase.observe:
-            images += observe_pass(method, task, split, rt, hooks.stop)
+            images += observe_pass(method, task, phase_data(method, phase, split), rt, hooks.stop)
             method.train()
         elif phase.epochs:
             data = phase_data(method, phase, split)
@@ -156,6 +156,7 @@ class PhaseRun:
         mixing = rt.mixup(task)
         self.rows = rt.ranks.rows(mirrored=mixing is not None)  # what this rank reads of each streamed batch
         self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
+        self.ids = method.takes_ids()  # hand each batch's positions in the phase's data to the loss
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
 
     def scale(self) -> float:
@@ -213,7 +214,8 @@ class PhaseRun:
         with closing(batches):  # a stop or an error mid-epoch shuts a streamed epoch's reader workers down at once
             for batch, (x_raw, y) in enumerate(batches, first_batch):
                 self.method.before_step(task, batch, self.per_epoch)
-                loss, logs = self.stepper(x_raw, y)
+                ids = order[batch * cfg.batch_size : (batch + 1) * cfg.batch_size] if self.ids else None
+                loss, logs = self.stepper(x_raw, y, ids)
                 self.schedule.step()
                 self.running += loss
                 epoch_loss += loss
@@ -290,11 +292,13 @@ def observe_pass(
     and ``method.observe`` in eval mode, each rank its share of every batch; then the method's sums are added up over
     the ranks. A stop signal ends it without a checkpoint: resuming repeats the pass from the task's start."""
     method.eval()
-    for x_raw, y in split.batches(rt.cfg.trainer.batch_size, rows=rt.ranks.rows()):
+    size = rt.cfg.trainer.batch_size
+    for index, (x_raw, y) in enumerate(split.batches(size, rows=rt.ranks.rows())):
         part, weight = rt.ranks.shard(len(y))
         if weight:
+            rows = torch.arange(index * size, index * size + len(y), device=y.device)[part]
             with rt.autocast:
-                method.observe(rt.test_tf(x_raw, part), y[part], task)
+                method.observe(rt.test_tf(x_raw, part), y[part], task, rows)
         signum = stop() if stop is not None else None
         if signum is not None:
             raise Preempted(f"stopped by {signal.Signals(signum).name} while observing task {task.id}", signum)

@@ -167,9 +167,15 @@ class Method(nn.Module):
     def after_task(self, task: Task) -> None:
         """Consolidate the task: prune, freeze, binarise masks."""
 
-    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> None:
-        """Take in a batch of an ``observe`` phase (no gradients; ``y`` holds global labels)."""
+    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task, rows: torch.Tensor) -> None:
+        """Take in a batch of an ``observe`` phase (no gradients; ``y`` holds global labels; ``rows``: the batch's
+        positions in the phase's data, the ids :meth:`takes_ids` methods get in training)."""
         raise NotImplementedError
+
+    def takes_ids(self) -> bool:
+        """Whether ``training_loss`` takes ``ids``: the positions of the batch's rows in the phase's data (LwF's and
+        BiC's teacher logits recorded once in an observe phase, looked up by position)."""
+        return False
 
     def observations(self) -> list[torch.Tensor]:
         """The sums an ``observe`` phase accumulated; the loop adds them up over the ranks of a multi-process run."""

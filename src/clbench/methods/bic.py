@@ -44,12 +44,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clbench.config import require
+from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.data.stream import DiskImages
 from clbench.errors import ConfigError
 from clbench.methods.base import Logs, Method, Phase
-from clbench.methods.lwf import Teacher, distillation
+from clbench.methods.lwf import Distills, distillation
 
 
 @dataclass
@@ -58,6 +58,7 @@ class BiCConfig:
     gamma_penalty: float = 0.1  # weight of γ²/2 in the bias stage's loss (official: 0.1)
     bias_epochs: int | None = None  # epochs of the bias stage over the memory (null: 2 x trainer.epochs, _BIAS_EPOCHS)
     bias_lr: float | None = None  # the bias stage's learning rate (null: trainer.lr)
+    teacher: str = "recorded"  # recorded: the teacher's logits recorded once a task | online: on each augmented batch
 
     def __post_init__(self) -> None:
         require(math.isfinite(self.T) and self.T > 0, "method.T", self.T, "a finite float > 0")
@@ -79,6 +80,7 @@ class BiCConfig:
             self.bias_lr,
             "null (trainer.lr) or a finite float > 0",
         )
+        require_choice("method.teacher", self.teacher, ("recorded", "online"))
 
 
 def distillation_weight(old: int, new: int) -> float:
@@ -91,7 +93,7 @@ def bias_correct(logits: torch.Tensor, start: int, beta: torch.Tensor, gamma: to
     return torch.cat([logits[:, :start], beta * logits[:, start:] + gamma], dim=1)
 
 
-class BiC(Method):
+class BiC(Distills, Method):
     Config = BiCConfig
     memory_sampler: ClassVar[str | None] = "herding"
     needs_memory: ClassVar[bool] = True
@@ -107,15 +109,16 @@ class BiC(Method):
         super().__init__(backbone, benchmark, config)
         self.beta = nn.ParameterList()  # per task; the latest one corrects CIL predictions
         self.gamma = nn.ParameterList()
-        self.teacher: Teacher | None = None
-        self.stage = "train"  # the phase under way (set by before_phase, which a resume's replay also calls)
+        self.images = [len(split) for split in benchmark.train]  # the size of each task's training data
+        self.no_teacher()
 
     # ----------------------------------------------------------------------------- lifecycle
     def before_task(self, task: Task) -> None:
         """The task's head and (β, γ) = (1, 0); the teacher: the model as it is at the task's start (from task 1)."""
         super().before_task(task)
         self.add_bias()
-        self.teacher = Teacher(self.backbone, list(self.heads[: task.id])) if task.id else None
+        memory = self.memory.capacity if self.memory is not None else 0
+        self.take_teacher(task, self.images[task.id] + memory)  # stage 1's data: the task's and the memory's
 
     def add_bias(self) -> None:
         device = self.backbone.cls_token.device
@@ -124,18 +127,16 @@ class BiC(Method):
 
     def after_task(self, task: Task) -> None:
         """Drop the teacher; every parameter requires grad again (the storage count sees the whole model)."""
-        self.teacher = None
+        self.no_teacher()
         self.stage = "train"
         self.requires_grad_(True)
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
         """Stage 1 (on the task's data and the memory), the memory update, then (from task 1) the bias stage."""
         bias = self.config.bias_epochs if self.config.bias_epochs is not None else 2 * epochs
-        out = [Phase("train", epochs, data="task+memory" if task.id else "task"), *self.memory_phase()]
+        data = "task+memory" if task.id else "task"
+        out = [*self.record_phase(data), Phase("train", epochs, data=data), *self.memory_phase()]
         return [*out, Phase("bias", bias, data="validation")] if task.id else out
-
-    def before_phase(self, task: Task, phase: Phase) -> None:
-        self.stage = phase.name
 
     def train(self, mode: bool = True) -> BiC:
         """As any module; in the bias stage the backbone and heads stay in eval mode (their logits are the test's)."""
@@ -160,22 +161,23 @@ class BiC(Method):
         return [{"params": [*self.backbone.parameters(), *self.heads.parameters()]}]
 
     # ----------------------------------------------------------------------------- losses
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+    def training_loss(
+        self, x: torch.Tensor, y: torch.Tensor, task: Task, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Logs]:
         if self.stage == "bias":
             return self.bias_loss(x, y, task)
         logits = self.raw_seen_logits(self.features(x, task.id))
         ce = F.cross_entropy(logits, y)
-        if self.teacher is None:
+        if task.id == 0:
             return ce, {}
         lam = distillation_weight(task.offset, task.num_classes)
-        kd = distillation(logits[:, : task.offset], self.teacher_logits(x, task), self.config.T)
+        kd = distillation(logits[:, : task.offset], self.teacher_targets(x, task, ids), self.config.T)
         return lam * kd + (1 - lam) * ce, {"kd": kd.detach(), "ce": ce.detach()}
 
     @torch.no_grad()
     def teacher_logits(self, x: torch.Tensor, task: Task) -> torch.Tensor:
         """The teacher's logits over the old classes, its newest block (task t − 1) corrected by that task's (β, γ)."""
-        assert self.teacher is not None
-        old = torch.cat(self.teacher.logits(x), dim=1)
+        old = super().teacher_logits(x, task)
         last = self.tasks[task.id - 1]
         return bias_correct(old, last.offset, self.beta[task.id - 1].detach(), self.gamma[task.id - 1].detach())
 

@@ -215,7 +215,7 @@ class EWC(Finetune):
         return loss + penalty, {**logs, "ewc_penalty": penalty.detach()}
 
     # ----------------------------------------------------------------------------- Fisher
-    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> None:
+    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task, rows: torch.Tensor) -> None:
         """Add the per-example Fisher estimates of a batch (test transform, eval mode) to the task's sums."""
         assert self.sums is not None and self.count is not None  # set by before_phase
         cfg = self.config

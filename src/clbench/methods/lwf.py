@@ -52,12 +52,14 @@ class LwFConfig(FinetuneConfig):
     T: float = 2.0  # the distillation temperature (official: 2)
     scope: str = "til"  # til: one KD per old head | cil: one KD over all old classes
     warmup_epochs: int = 1  # epochs of the new-head-only phase before every task's training
+    teacher: str = "recorded"  # recorded: logits recorded once a task (the paper's) | online: on each augmented batch
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(math.isfinite(self.lam) and self.lam >= 0, "method.lam", self.lam, "a finite float >= 0")
         require(math.isfinite(self.T) and self.T > 0, "method.T", self.T, "a finite float > 0")
         require_choice("method.scope", self.scope, ("til", "cil"))
+        require_choice("method.teacher", self.teacher, ("recorded", "online"))
         require(
             isinstance(self.warmup_epochs, int) and self.warmup_epochs >= 0,
             "method.warmup_epochs",
@@ -95,27 +97,100 @@ class Teacher(nn.Module):
         return [head(feats) for head in self.heads]
 
 
-class LwF(Finetune):
+class Recorded(nn.Module):
+    """A teacher's logits over the old classes on a phase's images, recorded once (an ``observe`` phase: the test
+    transform, eval mode) and read back by the rows' positions in that data (``training_loss``'s ``ids``)."""
+
+    def __init__(self, rows: int, classes: int, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("logits", torch.zeros(rows, classes, device=device))
+
+
+class Distills:
+    """What LwF and BiC share: a frozen teacher, the model at the task's start, whose logits over the old classes
+    are recorded once before the task trains (``teacher=recorded``: the test transform, one forward a training step)
+    or computed on every augmented batch (``online``: the same inputs as the student, a second forward a step).
+
+    A subclass calls :meth:`take_teacher` in ``before_task``, puts :meth:`record_phase` before its training phases and
+    reads :meth:`teacher_targets` in its loss; it may override :meth:`teacher_logits` (BiC corrects them)."""
+
+    config: Any
+    heads: nn.ModuleList
+    backbone: nn.Module
+    teacher: Teacher | None  # submodules (no class-level default: it would hide nn.Module's registered one)
+    recorded: Recorded | None
+    stage: str = "train"  # the phase under way (set by before_phase, which a resume's replay also calls)
+
+    def no_teacher(self) -> None:
+        """Neither teacher nor recorded logits (construction, and a task's end)."""
+        self.teacher = self.recorded = None
+
+    def take_teacher(self, task: Task, rows: int) -> None:
+        """The teacher of ``task`` (none for the first); ``rows``: at most how many images its logits are recorded
+        for (the training phase's data)."""
+        self.teacher = Teacher(self.backbone, list(self.heads[: task.id])) if task.id else None
+        recording = task.id and self.config.teacher == "recorded"
+        self.recorded = Recorded(rows, task.offset, self.backbone.cls_token.device) if recording else None
+
+    def record_phase(self, data: str = "task") -> list[Phase]:
+        """The phase that records the teacher's logits on ``data`` (that of the training phase that reads them)."""
+        return [Phase("record", 1, observe=True, data=data)] if self.recorded is not None else []
+
+    def before_phase(self, task: Task, phase: Phase) -> None:
+        self.stage = phase.name
+        if phase.name != "record" and self.recorded is not None:
+            self.teacher = None  # its logits are recorded: the copy is not needed any more
+
+    @torch.no_grad()
+    def teacher_logits(self, x: torch.Tensor, task: Task) -> torch.Tensor:
+        """The teacher's logits over every old class."""
+        assert self.teacher is not None
+        return torch.cat(self.teacher.logits(x), dim=1)
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task, rows: torch.Tensor) -> None:
+        """The record phase: the teacher's logits on the batch, at its rows' positions."""
+        assert self.recorded is not None
+        self.recorded.logits[rows] = self.teacher_logits(x, task).float()
+
+    def observations(self) -> list[torch.Tensor]:
+        """Each rank recorded its rows (the others stay 0): the sum over the ranks is every row."""
+        return [self.recorded.logits] if self.recorded is not None and self.stage == "record" else []
+
+    def takes_ids(self) -> bool:
+        return self.config.teacher == "recorded"
+
+    def teacher_targets(self, x: torch.Tensor, task: Task, ids: torch.Tensor | None) -> torch.Tensor:
+        """The teacher's logits over the old classes for the batch: recorded (read by position) or computed now."""
+        if self.recorded is not None:
+            assert ids is not None, "a recorded teacher is read by the rows' positions"
+            return self.recorded.logits[ids]
+        return self.teacher_logits(x, task)
+
+
+class LwF(Distills, Finetune):
+    """``teacher=recorded`` (default): the old heads' responses are recorded once, before the task trains, on its
+    images without augmentation (the paper's Alg. 1 and official code: Y_o = CNN(X_n, θ_s, θ_o)), and the student is
+    distilled towards them while it sees augmented images. ``online``: the frozen copy runs on each augmented batch
+    (PackNet's, HAT's and FACIL's codes)."""
+
     Config = LwFConfig
 
     def __init__(self, backbone, benchmark, config: LwFConfig) -> None:
         super().__init__(backbone, benchmark, config)
-        self.teacher: Teacher | None = None
-        self.warming_up = False  # in the warm-up phase (set by before_phase, which a resume's replay also calls)
+        self.images = [len(split) for split in benchmark.train]  # the size of each task's training data
+        self.no_teacher()
 
     def before_task(self, task: Task) -> None:
         """The teacher: the backbone and old heads as they are at the task's start (none for the first task)."""
         super().before_task(task)
-        self.teacher = Teacher(self.backbone, list(self.heads[: task.id])) if task.id else None
+        self.take_teacher(task, self.images[task.id])
 
     def after_task(self, task: Task) -> None:
-        self.teacher = None
+        self.no_teacher()
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
-        return [Phase("warmup", self.config.warmup_epochs), Phase("train", epochs)]
-
-    def before_phase(self, task: Task, phase: Phase) -> None:
-        self.warming_up = phase.name == "warmup"
+        return [*self.record_phase(), Phase("warmup", self.config.warmup_epochs), Phase("train", epochs)]
 
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
         if phase.name == "warmup":  # only the new head: shared and old parameters are out of the optimizer
@@ -128,15 +203,17 @@ class LwF(Finetune):
         self.heads.requires_grad_(True)
         return [{"params": [p for p in self.parameters() if p.requires_grad]}]
 
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+    def training_loss(
+        self, x: torch.Tensor, y: torch.Tensor, task: Task, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, Logs]:
         feats = self.features(x, task.id)
         if self.config.loss_scope == "task":
             new = self.task_loss(self.heads[task.id](feats), y, task)
         else:
             new = F.cross_entropy(self.seen_logits(feats), y)
-        if self.teacher is None or self.warming_up:
+        if task.id == 0 or self.stage == "warmup":
             return new, {}  # the first task, or the warm-up: nothing the distillation could change
-        old = self.teacher.logits(x)
+        old = self.teacher_targets(x, task, ids).split([t.num_classes for t in self.tasks[: task.id]], dim=1)
         student = [self.heads[k](feats) for k in range(task.id)]
         if self.config.scope == "cil":
             kd = distillation(torch.cat(student, 1), torch.cat(old, 1), self.config.T)

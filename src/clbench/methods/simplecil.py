@@ -52,7 +52,7 @@ class SimpleCIL(Method):
         self.counts = torch.zeros(weight.shape[0], dtype=torch.float64, device=weight.device)
 
     @torch.no_grad()
-    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> None:
+    def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task, rows: torch.Tensor) -> None:
         assert self.sums is not None and self.counts is not None  # set by before_phase
         local = y - task.offset
         self.sums.index_add_(0, local, self.features(x, task.id).double())
