@@ -146,7 +146,7 @@ def phase_stepper(method_name: str, *overrides: str) -> tuple[Method, Runtime, P
 
 
 def state(method: Method) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().clone() for k, v in method.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in method.state_dict().items() if isinstance(v, torch.Tensor)}
 
 
 def cpu_reference(method_name: str, monkeypatch: pytest.MonkeyPatch) -> tuple[Method, dict[str, torch.Tensor]]:

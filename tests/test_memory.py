@@ -176,7 +176,7 @@ def test_derpp_loss_is_its_three_terms_with_the_mse_over_the_stored_width() -> N
     out = lambda images: method.seen_logits(method.features(images, None))  # noqa: E731
     f1 = out(x1)
     squares = [((f1[0, :2] - z1[0, :2]) ** 2).tolist(), ((f1[1, :4] - z1[1, :4]) ** 2).tolist()]
-    mse = sum(sum(s) for s in squares) / 6
+    mse = (sum(squares[0]) / 2 + sum(squares[1]) / 4) / 2  # each row over its width, then the mean of the rows
     expected = F.cross_entropy(out(x), y) + 0.3 * mse + 0.7 * F.cross_entropy(out(x2), y2)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(method.stored_logits, out(x))
@@ -260,7 +260,7 @@ def test_a_replaying_loss_compiles_as_one_graph(overrides: tuple[str, ...]) -> N
     method.memory.insert(x, y, 0, torch.zeros(8, 2) if method.memory.keeps_logits else None)
     method.memory.offer_counted(8)
     torch._dynamo.reset()
-    explained = torch._dynamo.explain(method.training_loss)(rt.train_tf(x), y, task, replay=draw_replay(method, rt))
+    explained = torch._dynamo.explain(method.training_loss)(rt.train_tf(x), y, task, replay=draw_replay(method, rt, 8))
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 

@@ -225,7 +225,8 @@ def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> No
         trained = {id(p) for g in optimizer.param_groups for p in g["params"]}
         method_obj.zero_grad(set_to_none=True)
         x, y = rt.benchmark.train[task.id].batch(None, 0, 8)
-        train_step(method_obj, task, rt, x, y, optimizer=optimizer, params=[])
+        ids = torch.arange(len(y)) if method_obj.takes_ids() else None  # a recorded teacher's rows
+        train_step(method_obj, task, rt, x, y, optimizer=optimizer, params=[], ids=ids)
         stray = [n for n, p in method_obj.named_parameters() if id(p) not in trained and p.grad is not None]
         assert not stray, stray[:5]
         finish_untrained(method_obj, task)

@@ -78,7 +78,21 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
 
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all
     "method",
-    ["finetune", *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt", *BASELINES))],
+    [
+        "finetune",
+        *(
+            pytest.param(m, marks=pytest.mark.slow)
+            for m in ("meat", "dualprompt", "coda_prompt", *BASELINES)
+            if m != "lwf"
+        ),
+        pytest.param(  # an open finding, kept visible: with lam=0, or at task 0, the two runs agree to 1e-6
+            "lwf",
+            marks=[
+                pytest.mark.slow,
+                pytest.mark.xfail(strict=True, reason="LwF's distillation drifts its heads by up to 3e-4 under DDP"),
+            ],
+        ),
+    ],
 )
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too

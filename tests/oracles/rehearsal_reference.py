@@ -84,15 +84,14 @@ def er_mean_of_means(
 
 
 def masked_mse(outputs: list[list[float]], stored: list[list[float]], widths: list[int]) -> float:
-    """§7.5: the squared error over each row's valid width only (the first w_i columns), divided by the number of
-    valid entries sum_i w_i. Columns past w_i (padding) never enter."""
-    total = 0.0
-    count = 0
+    """§7.5 as clbench fixes it: the squared error over each row's valid width only (the first w_i columns), each
+    row's mean over its w_i entries, then the mean over the rows (mammoth's mean over M x C entries where all rows
+    have one width; §7.5's "divided by sum_i w_i" weighs wide rows more and does not average exactly over DDP ranks).
+    Columns past w_i (padding) never enter."""
+    per_row = []
     for f, z, w in zip(outputs, stored, widths, strict=True):
-        for c in range(w):
-            total += (f[c] - z[c]) ** 2
-        count += w
-    return total / count
+        per_row.append(sum((f[c] - z[c]) ** 2 for c in range(w)) / w)
+    return sum(per_row) / len(per_row)
 
 
 def derpp_loss(

@@ -106,7 +106,7 @@ def train_step(
         x = x[part]
     else:  # an odd last batch is not mixed (timm's Mixup pairs images)
         x = rt.train_tf(x_raw, part)
-    extra: dict[str, Any] = {"replay": draw_replay(method, rt)} if replay else {}
+    extra: dict[str, Any] = {"replay": draw_replay(method, rt, len(y))} if replay else {}
     if ids is not None:
         extra["ids"] = ids[part]
     with rt.autocast:
@@ -126,12 +126,14 @@ def train_step(
     return loss.detach(), logs
 
 
-def draw_replay(method: Method, rt: Runtime) -> tuple[Replay, ...]:
-    """The method's ``replay_draws`` independent draws of :func:`replay_rows` memory images, each augmented as a
-    training batch (this rank's rows of it), with their labels and stored logits."""
+def draw_replay(method: Method, rt: Runtime, current: int) -> tuple[Replay, ...]:
+    """The method's ``replay_draws`` independent draws of memory images, each augmented as a training batch (this
+    rank's rows of it), with their labels and stored logits: :func:`replay_rows` for a full batch, proportionally fewer
+    for an epoch's last, smaller one (``current`` rows), so that the ranks of a multi-process run hold the same share
+    of both and the averaged gradients are the whole batch's."""
     memory = method.memory
     assert memory is not None
-    rows = replay_rows(rt.cfg)
+    rows = max(1, replay_rows(rt.cfg) * current // rt.cfg.trainer.batch_size)
     part, _ = rt.ranks.shard(rows)
     out = []
     for _ in range(method.replay_draws):

@@ -295,6 +295,7 @@ def observe_pass(
     size = rt.cfg.trainer.batch_size
     for index, (x_raw, y) in enumerate(split.batches(size, rows=rt.ranks.rows())):
         part, weight = rt.ranks.shard(len(y))
+        method.batch_share = (len(y), part)  # per-sample draws (EWC's sampled labels) made for the whole batch
         if weight:
             rows = torch.arange(index * size, index * size + len(y), device=y.device)[part]
             with rt.autocast:

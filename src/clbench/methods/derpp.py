@@ -8,8 +8,10 @@ its un-augmented images, labels and the logits the model gave its augmented imag
 (``outputs.data``): logits sampled along the optimisation trajectory. ``alpha`` alone (``beta=0``) is DER.
 
 On clbench's growing heads a stored logit vector covers the classes seen when it was stored; the MSE is taken over
-those entries only (mammoth's single head over every class also pulls the untrained future-class logits to their
-stored values: a departure clbench cannot reproduce without a head over every class from the start).
+those entries only, each row's mean over its width, then the mean over the rows (mammoth's mean over M x C entries
+where every row has the same width; a row weighs the same whatever its width, and ranks of a multi-process run
+average exactly). mammoth's single head over every class also pulls the untrained future-class logits to their stored
+values: a departure clbench cannot reproduce without a head over every class from the start.
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ class DERpp(ER):
         z2 = logits[len(y) + len(first.y) :]
         covered = torch.arange(z1.shape[1], device=z1.device)[None, :] < first.width[:, None]
         squared = (z1 - first.logits[:, : z1.shape[1]]).square() * covered
-        mse = squared.sum() / covered.sum()
+        mse = (squared.sum(1) / first.width).mean()  # each row over its stored width, then over the rows
         replayed_ce = F.cross_entropy(z2, second.y)
         loss = ce + self.config.alpha * mse + self.config.beta * replayed_ce
         return loss, {"logit_mse": mse.detach(), "replay_ce": replayed_ce.detach()}

@@ -111,11 +111,15 @@ def per_example_fisher(
     *,
     estimator: str,
     chunk: int = 16,
+    uniforms: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Σ_x e(x) over the examples ``x`` (labels ``y`` as indices into ``model``'s outputs) for each tensor of
     ``params`` (names as ``model.named_parameters`` gives them): e = g_ĉ² (``sample``), g_y² (``true_label``),
     Σ_c p_c g_c² (``expected``) or p_y g_y² (``mammoth``), g_c = ∇ log softmax(model(x))_c. fp32, eval behaviour is
-    the caller's (``model.eval()``); per-example gradients by vmap(grad) over chunks of ``chunk`` examples."""
+    the caller's (``model.eval()``); per-example gradients by vmap(grad) over chunks of ``chunk`` examples. ``sample``
+    draws ĉ by inverting p's CDF at ``uniforms`` (one per example; drawn here when not given)."""
+    if estimator == "sample" and uniforms is None:
+        uniforms = torch.rand(len(x), device=x.device)
     sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in params.items()}
     detached = {n: p.detach() for n, p in params.items()}
 
@@ -135,7 +139,10 @@ def per_example_fisher(
                 labels = [torch.full_like(yc, c) for c in range(probs.shape[1])]
                 weights = [probs[:, c] for c in range(probs.shape[1])]
             elif estimator == "sample":
-                labels, weights = [torch.multinomial(probs, 1)[:, 0]], [torch.ones_like(probs[:, 0])]
+                assert uniforms is not None
+                u = uniforms[start : start + chunk, None].to(probs.dtype)
+                drawn = torch.searchsorted(probs.cumsum(1), u)[:, 0].clamp(max=probs.shape[1] - 1)
+                labels, weights = [drawn], [torch.ones_like(probs[:, 0])]
             elif estimator == "true_label":
                 labels, weights = [yc], [torch.ones_like(probs[:, 0])]
             else:  # mammoth
@@ -222,7 +229,12 @@ class EWC(Finetune):
         labels = y - task.offset if cfg.loss_scope == "task" else y
         model = _Logits(self, task)
         params = {f"method.{n}": p for n, p in self.anchored(task.id + 1)}
-        sums = per_example_fisher(model, params, x, labels, estimator=cfg.fisher, chunk=cfg.fisher_chunk)
+        # the sampled labels' uniforms drawn for the whole batch, this rank's rows taken: ranks draw as one process
+        size, part = self.batch_share or (len(x), slice(None))
+        uniforms = torch.rand(size, device=x.device)[part] if cfg.fisher == "sample" else None
+        sums = per_example_fisher(
+            model, params, x, labels, estimator=cfg.fisher, chunk=cfg.fisher_chunk, uniforms=uniforms
+        )
         for name, s in sums.items():
             self.sums[name.removeprefix("method.")] += s
         self.count += len(y)
