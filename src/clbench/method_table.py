@@ -18,6 +18,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,7 @@ def merge(text: str, setting: str, rows: list[dict[str, Any]], stamp: str, every
     header = "\n".join(markdown([]).splitlines()[:2])
     table = "\n".join([header, *(merged[m] for m in order)])
     if not every and old_stamp:
-        stamp = f"{old_stamp}\n{stamp.removesuffix('.')}: {', '.join(fresh)}."
+        stamp = old_stamp + "\n" + textwrap.fill(f"{stamp.removesuffix('.')}: {', '.join(fresh)}.", 120)
     return text[: found.start(2)] + table + "\n\n" + stamp + text[found.end(2) :]
 
 
