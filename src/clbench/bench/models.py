@@ -98,7 +98,10 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
         x, y = split.batch(order, 0, args.batch_size)
         method.before_step(task, 0, batches)
         model = TaskLoss(method, task)
-        train_step(method, task, rt, x, y, optimizer=optimizer, params=stepper.params, model=model, ids=ids)
+        replay = bool(method.replay_draws) and method.memory is not None and not method.memory.empty
+        train_step(
+            method, task, rt, x, y, optimizer=optimizer, params=stepper.params, model=model, ids=ids, replay=replay
+        )
 
     def data() -> None:
         rt.train_tf(split.batch(order, 0, args.batch_size)[0])
