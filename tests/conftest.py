@@ -13,8 +13,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
-from clbench.cli import config_dir
-from clbench.config import RunConfig, validate
+from clbench.config import RunConfig, config_dir, validate
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")

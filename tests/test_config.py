@@ -6,8 +6,7 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import DictConfig
 
-from clbench.cli import config_dir
-from clbench.config import validate
+from clbench.config import config_dir, validate
 from clbench.errors import ConfigError
 from conftest import compose_config
 
@@ -92,3 +91,12 @@ def test_missing_method_target_is_rejected() -> None:
     cfg.method = DictConfig({"loss_scope": "seen"})
     with pytest.raises(ConfigError, match="_target_"):
         validate(cfg)
+
+
+def test_the_loop_does_not_import_the_cli() -> None:
+    """The config directory lives below both (clbench.config): the training loop imports no command-line module."""
+    import subprocess
+    import sys
+
+    code = "import sys, clbench.loop, clbench.loop.runtime; sys.exit('clbench.cli' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

@@ -18,9 +18,8 @@ import yaml
 
 from clbench import paper_table
 from clbench.backbones.timm_vit import build_backbone
-from clbench.cli import config_dir
 from clbench.comparable import setting
-from clbench.config import BackboneConfig, full_config, validate
+from clbench.config import BackboneConfig, config_dir, full_config, validate
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.report import main as report_main

@@ -313,7 +313,7 @@ def test_the_imagenet_r_prompt_presets_read_the_wnid_folders_in_sorted_order_and
 def test_every_paper_preset_is_found_by_its_method_name() -> None:
     """The header names a method by its config's file (coda_prompt, not the class's codaprompt): each preset file
     conf/experiment/<method>_*paper*.yaml is announced to the runs of that method."""
-    from clbench.cli import config_dir
+    from clbench.config import config_dir
     from clbench.loop.runtime import paper_presets
 
     files = sorted(p.stem for p in (config_dir() / "experiment").glob("*paper*.yaml"))

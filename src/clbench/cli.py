@@ -18,7 +18,7 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from clbench.config import GROUPS, RunConfig, closest, register_schemas, validate
+from clbench.config import GROUPS, RunConfig, closest, config_dir, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import (
     PID_FILE,
@@ -29,15 +29,7 @@ from clbench.files import (
     write_atomic,
 )
 
-
-def config_dir() -> Path:
-    """The configs shipped in the wheel (clbench/conf), or the source tree's conf/ in an editable install."""
-    packaged = Path(__file__).resolve().parent / "conf"
-    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf"
-
-
 log = logging.getLogger("clbench")
-register_schemas()
 
 
 class RunFolderGuard(Callback):

@@ -24,6 +24,12 @@ from clbench import metrics
 from clbench.errors import ClbenchError, ConfigError
 
 
+def config_dir() -> Path:
+    """The configs shipped in the wheel (clbench/conf), or the source tree's conf/ in an editable install."""
+    packaged = Path(__file__).resolve().parent / "conf"
+    return packaged if packaged.is_dir() else Path(__file__).resolve().parents[2] / "conf"
+
+
 def require(ok: bool, key: str, value: Any, allowed: str) -> None:
     """Raise a :class:`ConfigError` naming ``key``, ``value`` and what is ``allowed`` unless ``ok``."""
     if not ok:
@@ -340,6 +346,9 @@ def register_schemas() -> None:
     store = ConfigStore.instance()
     for group, schema in GROUPS.items():
         store.store(group="schema", name=group, node=schema)
+
+
+register_schemas()  # importing the schemas makes them composable: the CLI, the tests and the bench compose alike
 
 
 def closest(key: str, allowed: list[str]) -> str | None:

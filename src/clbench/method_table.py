@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from clbench.cli import config_dir
+from clbench.config import config_dir
 from clbench.files import write_atomic
 from clbench.methods import METHODS
 

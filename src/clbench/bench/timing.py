@@ -76,8 +76,7 @@ def compose(overrides: list[str]) -> Any:
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
-    from clbench.cli import config_dir
-    from clbench.config import validate
+    from clbench.config import config_dir, validate
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return validate(hydra_compose("config", overrides=overrides))

@@ -16,7 +16,7 @@ from timm.data import Mixup
 from clbench import distributed
 from clbench.backbones import build_backbone, input_stats
 from clbench.comparable import method_name
-from clbench.config import RunConfig, host_drawn_augmentation, memory_sampler
+from clbench.config import RunConfig, config_dir, host_drawn_augmentation, memory_sampler
 from clbench.data import Benchmark, DeviceTransform, Task, build_benchmark
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
@@ -230,7 +230,5 @@ def replay_rows(cfg: RunConfig) -> int:
 
 def paper_presets(cfg: RunConfig) -> list[str]:
     """The ``experiment=`` presets of the run's method (conf/experiment/<method>_*.yaml)."""
-    from clbench.cli import config_dir
-
     method = method_name(cfg.method_target)
     return sorted(p.stem for p in (config_dir() / "experiment").glob(f"{method}_*paper*.yaml"))

@@ -47,8 +47,7 @@ def linear_probe(cfg: RunConfig) -> list[float]:
 def main() -> None:
     from hydra import compose, initialize_config_dir
 
-    from clbench.cli import config_dir
-    from clbench.config import validate
+    from clbench.config import config_dir, validate
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("overrides", nargs="*", help="clbench overrides, e.g. data=digits_5tasks backbone=vit_micro")

@@ -35,8 +35,7 @@ def build_micro_vit() -> nn.Module:
     from hydra import compose, initialize_config_dir
 
     from clbench.backbones import build_backbone
-    from clbench.cli import config_dir
-    from clbench.config import validate
+    from clbench.config import config_dir, validate
 
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = validate(compose("config", overrides=["backbone=vit_micro", "backbone.pretrained=false"]))
