@@ -22,7 +22,7 @@ from clbench.loop.runtime import Acceleration, acceleration, build_runtime, grap
 from clbench.loop.task import run_task
 from clbench.methods import TRAINED
 from clbench.methods.finetune import Finetune
-from conftest import compose_config, tiny_config
+from conftest import baselines_slow, compose_config, tiny_config
 
 METHODS = TRAINED
 CUDA = torch.device("cuda")  # a device object only: nothing below touches a GPU
@@ -53,7 +53,7 @@ def test_a_method_that_keeps_step_state_on_the_host_is_not_captured(monkeypatch:
     assert graph_blocker(tiny_config(), CUDA, Ranks()) == "the method draws per-step values on the host"
 
 
-@pytest.mark.parametrize("method_name", METHODS)
+@pytest.mark.parametrize("method_name", baselines_slow(METHODS))
 def test_every_method_forward_and_loss_compile_as_one_graph(method_name: str) -> None:
     """torch._dynamo.explain of ``training_loss`` on the micro ViT (4 blocks), for the first task and for the second
     (stored masks, cumulative gates, frozen slots): one graph, no graph break."""

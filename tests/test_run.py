@@ -206,7 +206,7 @@ def test_reevaluating_a_corrupt_or_foreign_folder_is_a_clear_error(tmp_path: Pat
         reevaluate(tmp_path)
 
 
-@pytest.mark.parametrize("method", [m for m in TRAINED if m != "joint"])
+@pytest.mark.parametrize("method", baselines_slow([m for m in TRAINED if m != "joint"]))
 def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> None:
     """Frozen parts (pretrained weights under masks, other tasks' heads, PackNet's and HAT's frozen biases and
     norms after task 0) are left out of autograd: after a real step their .grad is None."""
@@ -232,7 +232,7 @@ def test_parameters_outside_the_optimizer_compute_no_gradient(method: str) -> No
         finish_untrained(method_obj, task)
 
 
-@pytest.mark.parametrize("method", TRAINED)
+@pytest.mark.parametrize("method", baselines_slow(TRAINED))
 def test_both_scenarios_from_one_call_equal_separate_predictions(method: str) -> None:
     """Evaluation shares the passes TIL and CIL have in common; the logits are those of two predict calls."""
     cfg = tiny_config(f"method={method}", "trainer.epochs=1")
