@@ -115,6 +115,27 @@ def baselines_slow(methods: tuple[str, ...] | list[str]) -> list:
     return [pytest.param(m, marks=pytest.mark.slow) if m in BASELINES else m for m in methods]
 
 
+def crash_and_resume(monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...], folder: Path, step: int) -> None:
+    """Train ``overrides`` into ``folder`` until its ``step``-th training step raises (a power cut), then run it
+    again with ``resume=true``: the folder then holds the resumed run's results."""
+    from clbench.loop import step as step_module
+    from clbench.loop import train
+
+    calls, real = {"n": 0}, step_module.train_step
+
+    def crashing(*args: object, **kwargs: object) -> object:
+        calls["n"] += 1
+        if calls["n"] == step:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "train_step", crashing)
+    with pytest.raises(RuntimeError, match="power cut"):
+        train(tiny_config(*overrides), folder)
+    monkeypatch.undo()
+    train(tiny_config(*overrides, "resume=true"), folder)
+
+
 def compose_config(*overrides: str) -> DictConfig:
     """The config exactly as the CLI composes it (without the hydra node)."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):

@@ -12,14 +12,13 @@ import torch
 from torch import nn
 
 from clbench.errors import ConfigError
-from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.base import Phase
 from clbench.methods.ewc import EWC, per_example_fisher
 from clbench.methods.lwf import LwF, distillation
-from conftest import tiny_config
+from conftest import crash_and_resume, tiny_config
 from oracles import ewc_reference as ewc_ref
 from oracles import lwf_reference as lwf_ref
 
@@ -301,20 +300,7 @@ def test_a_run_resumed_mid_task_gives_the_uninterrupted_results(
         and len(whole["acc_matrix"]["til"]) == 2
         and whole["metrics"]["til"]["final_acc"] > 50
     )  # chance: 50
-    calls = {"n": 0}
-    real = step_module.train_step
-
-    def crashing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == crash_step:
-            raise RuntimeError("power cut")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "train_step", crashing)
-    with pytest.raises(RuntimeError, match="power cut"):
-        train(tiny_config(*overrides), tmp_path / "cut")
-    monkeypatch.undo()
-    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
+    crash_and_resume(monkeypatch, overrides, tmp_path / "cut", crash_step)
     cut = til(tmp_path / "cut")
     assert cut["acc_matrix"] == whole["acc_matrix"]
     assert cut["metrics"] == whole["metrics"]

@@ -15,7 +15,6 @@ from omegaconf import OmegaConf
 from clbench.config import MemoryConfig
 from clbench.data.stream import DiskImages
 from clbench.errors import ConfigError
-from clbench.loop import step as step_module
 from clbench.loop import task as task_module
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
@@ -24,7 +23,7 @@ from clbench.methods.base import Phase
 from clbench.methods.bic import BiC, distillation_weight
 from clbench.methods.gdumb import GDumb
 from clbench.reevaluate import reevaluate
-from conftest import TINY, compose_config, tiny_config
+from conftest import TINY, compose_config, crash_and_resume, tiny_config
 from oracles import gdumb_bic_reference as ref
 
 GDUMB = ("method=gdumb", "memory.per_class=4", "method.fit_epochs=2", "trainer.epochs=2")
@@ -246,20 +245,7 @@ def test_a_resumed_run_ends_as_an_uninterrupted_one(
     overrides = (*overrides, "trainer.checkpoint_every=1", "data.val_fraction=0.2")
     train(tiny_config(*overrides), tmp_path / "whole")
     expected = json.loads((tmp_path / "whole" / "results.json").read_text())["acc_matrix"]
-    calls = {"n": 0}
-    real = step_module.train_step
-
-    def crashing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == crash_at:
-            raise RuntimeError("power cut")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "train_step", crashing)
-    with pytest.raises(RuntimeError, match="power cut"):
-        train(tiny_config(*overrides), tmp_path / "cut")
-    monkeypatch.undo()
-    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
+    crash_and_resume(monkeypatch, overrides, tmp_path / "cut", crash_at)
     assert json.loads((tmp_path / "cut" / "results.json").read_text())["acc_matrix"] == expected
 
 

@@ -15,13 +15,12 @@ import pytest
 import torch
 
 from clbench.errors import ConfigError
-from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.optim import build_optimizer
 from clbench.loop.runtime import build_runtime
 from clbench.methods.adapter import AdaptedSublayer, Adapter, HoulsbyAdapter, TaskNorm
 from clbench.methods.base import Method, Phase
-from conftest import tiny_config
+from conftest import crash_and_resume, tiny_config
 from oracles import adapter_reference as ref
 
 CLASSIFIER = ("method=classifier",)
@@ -286,20 +285,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
     whole = json.loads((tmp_path / "whole" / "results.json").read_text())
     assert whole["status"] == "finished" and zero_til_forgetting(whole)
     expected = whole["acc_matrix"]
-    calls = {"n": 0}
-    real = step_module.train_step
-
-    def crashing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 9:  # task 1, mid-task
-            raise RuntimeError("power cut")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "train_step", crashing)
-    with pytest.raises(RuntimeError, match="power cut"):
-        train(tiny_config(*overrides), tmp_path / "cut")
-    monkeypatch.undo()
-    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
+    crash_and_resume(monkeypatch, overrides, tmp_path / "cut", 9)  # task 1, mid-task
     assert json.loads((tmp_path / "cut" / "results.json").read_text())["acc_matrix"] == expected
 
 

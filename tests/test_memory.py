@@ -18,12 +18,11 @@ import torch.nn.functional as F
 from clbench.config import MemoryConfig
 from clbench.data import Task
 from clbench.errors import ConfigError
-from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.memory import Memory
 from clbench.methods.base import Replay
-from conftest import TINY, clbench, tiny_config, torchrun
+from conftest import TINY, clbench, crash_and_resume, tiny_config, torchrun
 
 TASK = Task(0, (0, 1), ("a", "b"), 0)
 
@@ -204,19 +203,7 @@ def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
     train(tiny_config(*overrides), tmp_path / "whole")
     expected = matrices(tmp_path / "whole")
     assert expected["storage"]["memory"]["samples"] > 0
-    calls, real = {"n": 0}, step_module.train_step
-
-    def crashing(*args, **kwargs):
-        calls["n"] += 1
-        if calls["n"] == 7:  # task 1, its second epoch (3 batches an epoch)
-            raise RuntimeError("power cut")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(step_module, "train_step", crashing)
-    with pytest.raises(RuntimeError, match="power cut"):
-        train(tiny_config(*overrides), tmp_path / "cut")
-    monkeypatch.undo()
-    train(tiny_config(*overrides, "resume=true"), tmp_path / "cut")
+    crash_and_resume(monkeypatch, overrides, tmp_path / "cut", 7)  # task 1, its second epoch (3 batches an epoch)
     assert matrices(tmp_path / "cut") == expected
 
 

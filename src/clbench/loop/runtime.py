@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import random
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
@@ -133,7 +134,7 @@ class Runtime:
             num_classes=task.num_classes,
         )
 
-    @property
+    @functools.cached_property
     def streamed(self) -> bool:
         """Whether the training images are read from the on-disk cache (a rank then holds only its rows of a batch)."""
         return any(isinstance(split.x, DiskImages) for split in self.benchmark.train)
