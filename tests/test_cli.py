@@ -21,13 +21,15 @@ def test_multirun_gives_each_job_its_own_folder(tmp_path: Path) -> None:
         *TINY,
         "data.num_tasks=2",
         "trainer.epochs=1",
+        "trainer.warmup_epochs=1",
         "seed=0,1",
         f"hydra.sweep.dir={sweep}",
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     results = sorted(sweep.glob("*/results.json"))
-    assert [p.parent.name for p in results] == ["0", "1"]
+    assert [p.parent.name for p in results] == ["0_seed=0", "1_seed=1"]  # named by what the sweep varies
+    assert out.stderr.count("clbench: warning: trainer.warmup_epochs=1 covers every one of a task's") == 2
     assert [json.loads(p.read_text())["seed"] for p in results] == [0, 1]
     assert all(json.loads(p.read_text())["status"] == "finished" for p in results)
     assert "Metrics (%)" in out.stderr and "final acc" in out.stderr

@@ -228,6 +228,21 @@ def test_one_damaged_results_json_is_listed_and_the_rest_reported(
     assert "unreadable results.json: metrics.til.final_acc is 'high', not a number" in out
 
 
+def test_without_out_the_report_goes_beside_the_runs_it_reads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for job in ("0", "1"):
+        write_run(tmp_path / "sweep" / job, seed=int(job))
+    monkeypatch.chdir(tmp_path / "sweep" / "0")  # a working folder that is not where the report belongs
+    main([str(tmp_path / "sweep")])
+    assert (tmp_path / "sweep" / "report.md").is_file() and (tmp_path / "sweep" / "report.csv").is_file()
+    main([str(tmp_path / "sweep" / "0" / "results.json"), str(tmp_path / "sweep" / "1")])  # their common folder
+    main([str(tmp_path / "sweep"), "--table", "l2p_table1"])  # a paper table's report is named after it
+    assert (tmp_path / "sweep" / "l2p_table1.md").is_file()
+    assert sorted(p.name for p in (tmp_path / "sweep" / "0").iterdir()) == ["results.json"]
+    assert f"written: {tmp_path / 'sweep' / 'l2p_table1.md'}" in capsys.readouterr().err
+
+
 def test_a_report_that_cannot_be_written_is_refused_before_reading(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

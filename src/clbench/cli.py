@@ -16,6 +16,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from clbench.config import GROUPS, RunConfig, closest, config_dir, validate
@@ -28,6 +29,8 @@ from clbench.files import (
     unlock_run_folder,
     write_atomic,
 )
+from clbench.inert import inert_settings, overridden_keys
+from clbench.sweep_folders import remember_swept
 
 log = logging.getLogger("clbench")
 
@@ -64,6 +67,8 @@ class RunFolderGuard(Callback):
             sys.exit(2)
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        searched = list(config.hydra.sweeper.get("params") or {})
+        remember_swept(list(config.hydra.overrides.task), [str(key) for key in searched])
         try:
             check_writable(Path(str(config.hydra.sweep.dir)))
         except ClbenchError as err:
@@ -149,6 +154,13 @@ def check_sweep_objective(cfg: RunConfig, sweeper: str) -> None:
         )
 
 
+def warn_inert(cfg: RunConfig, overrides: list[str]) -> None:
+    """Say which settings of the run change nothing (:mod:`clbench.inert`), before it starts."""
+    method_cls = get_class(cfg.method_target)
+    for line in inert_settings(cfg, overridden_keys(overrides), method_cls.unused_keys(cfg.method)):
+        report(line, logging.WARNING)
+
+
 @hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="config")
 def app(cfg: DictConfig) -> float | None:
     """One job. Returns ``objective`` (e.g. the validation CIL final accuracy), the value a Hydra sweeper (Optuna)
@@ -159,6 +171,7 @@ def app(cfg: DictConfig) -> float | None:
     try:
         run_cfg = requeued(validate(cfg))
         check_sweep_objective(run_cfg, str(hydra_cfg.sweeper.get("_target_", "")))
+        warn_inert(run_cfg, list(hydra_cfg.overrides.task))
         if multirun:
             share_cores(hydra_cfg.launcher)
         from clbench import distributed  # heavy imports (torch, timm) only once the config is known to be valid

@@ -14,7 +14,8 @@ Runs that did not finish are listed with their status and failure, not averaged,
 with a .hydra/ folder) that have no results.json, with their overrides and the last line of their log.
 
 Writes PREFIX.md, .csv, .tex (booktabs) and a figure (.png and .pdf) of the mean accuracy over the seen tasks after
-each task, one line per row with a band of ± one std over its runs.
+each task, one line per row with a band of ± one std over its runs. PREFIX is --out, by default ``report`` in the
+folder the given paths share (a sweep's folder), never the working folder.
 
 With --table NAME (e.g. l2p_table1, meat_table1): the runs laid out as that paper's table instead, rows in the
 paper's order, clbench's mean ± std beside the published number and the difference (clbench.paper_table); writes
@@ -27,6 +28,7 @@ import argparse
 import csv
 import io
 import json
+import os
 import statistics
 import sys
 from collections import defaultdict
@@ -388,12 +390,24 @@ def write_report(rows: list[Row], others: list[Skipped], out: Path) -> list[Path
     return [out.with_suffix(suffix) for suffix in outputs]
 
 
+def default_out(paths: list[Path], table: str | None) -> Path:
+    """Where a report goes without ``--out``: in the folder the runs share (a sweep's folder), named ``report`` (or
+    after the paper table it lays out), so that it never lands in the working folder by surprise."""
+    folders = [(p if p.is_dir() else p.parent).resolve() for p in paths]
+    return Path(os.path.commonpath(folders)) / (table or "report")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="clbench-report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("paths", nargs="+", type=Path, help="run folders, multirun folders or results.json files")
-    parser.add_argument("--out", type=Path, default=Path("report"), help="output prefix (default: report)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        help="output prefix (default: beside the runs it reads: <their common folder>/report, or /<table> with "
+        "--table)",
+    )
     parser.add_argument(
         "--table",
         metavar="NAME",
@@ -405,6 +419,7 @@ def main(argv: list[str] | None = None) -> None:
         known = ", ".join(paper_table.known_tables())
         print(f"clbench-report: unknown table {args.table!r}. Known tables: {known}.", file=sys.stderr)
         sys.exit(2)
+    args.out = args.out or default_out(args.paths, args.table)
     try:  # before reading anything: a report that cannot be written is refused at once
         check_writable(args.out.parent, hint="Choose another prefix with --out PATH.")
     except ConfigError as err:

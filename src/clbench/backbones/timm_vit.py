@@ -50,7 +50,12 @@ def weights_file(cfg: BackboneConfig, model: VisionTransformer) -> Path | None:
     local = local_weights(cfg)
     if local is not None or not cfg.pretrained:
         return local
-    source = model.pretrained_cfg or {}
+    return cached_download(model.pretrained_cfg or {})
+
+
+def cached_download(source: dict[str, Any]) -> Path | None:
+    """Where timm's download of a pretrained config (``model.pretrained_cfg``) sits in the local cache, if it does:
+    the Hugging Face hub's cache for a hub id, else torch.hub's for a URL."""
     if source.get("hf_hub_id"):
         from huggingface_hub import try_to_load_from_cache
 

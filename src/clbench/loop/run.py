@@ -43,6 +43,7 @@ from clbench.loop.runtime import Runtime, build_runtime, describe
 from clbench.loop.signals import stop_signals
 from clbench.loop.task import Hooks, run_task
 from clbench.methods import Method
+from clbench.prerequisites import check_prerequisites
 from clbench.results import Results
 from clbench.tracking import WandbTracker, console, print_summary, say, write_run_files
 
@@ -52,6 +53,7 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
     ``cfg.resume`` (true, or auto where a checkpoint exists) it continues from ``run_dir``'s checkpoint and ends
     with the same results as an uninterrupted run. In a multi-process run (torchrun) every rank trains and
     evaluates its share; only rank 0 writes the folder, the checkpoints and W&B."""
+    check_prerequisites(cfg.data, cfg.backbone)
     main = distributed.current().is_main
     resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
     # The checkpoint is loaded once, here: a missing, corrupt or foreign one is reported before the folder is touched

@@ -98,6 +98,12 @@ class Method(nn.Module):
         # DER++: the logits of the step's current rows, which the loop stores with them after the step.
         self.stored_logits: torch.Tensor | None = None
 
+    @staticmethod
+    def unused_keys(config: Any) -> dict[str, str]:
+        """Hyperparameters that ``config`` makes inert, ``{"method.key": "the setting that makes it so"}``: a run that
+        sets one is warned at its start (a sweep over it would give equal results)."""
+        return {}
+
     # ----------------------------------------------------------------------------- lifecycle hooks
     @property
     def num_seen(self) -> int:

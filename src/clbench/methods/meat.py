@@ -111,6 +111,11 @@ class MEAT(ScoredMaskMethod):
             self_kept = config.token_attention == "code"
             block.attn = self.attentions[i] = KeyMaskedAttention(block.attn, backbone.num_prefix_tokens, self_kept)
 
+    @staticmethod
+    def unused_keys(config: MEATConfig) -> dict[str, str]:
+        """lam is only the drop-control term's target (Eq. 10), which alpha=0 switches off."""
+        return {"method.lam": "method.alpha=0 (no drop-control term)"} if config.alpha == 0 else {}
+
     # ----------------------------------------------------------------------------- mask logits
     def init_logits(self, *shape: int) -> torch.Tensor:
         device = self.backbone.cls_token.device
