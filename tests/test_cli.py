@@ -130,3 +130,27 @@ def test_a_diverging_loss_ends_with_one_paragraph_naming_where(tmp_path: Path) -
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "is nan at task 0 (train phase), epoch 0, step" in out.stderr and "lower trainer.lr" in out.stderr
     assert json.loads((tmp_path / "run" / "results.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "hint"),
+    [
+        (("method=meat", "method.lamda=0.5"), "did you mean `method.lam`?"),
+        (("experiment=l2p_cifar100_paper", "method.pool_sise=5"), "did you mean `method.pool_size`?"),  # via a preset
+    ],
+)
+def test_a_mistyped_method_key_gets_the_closest_key_of_the_chosen_method(
+    tmp_path: Path, overrides: tuple[str, ...], hint: str
+) -> None:
+    out = clbench(*overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2 and out.stderr.rstrip().endswith(f"clbench: {hint}"), out.stderr[-2000:]
+
+
+def test_the_embedded_default_prints_the_weights_it_loads_once(tmp_path: Path) -> None:
+    out = clbench(
+        "data.num_tasks=1", "trainer.epochs=0", "logger.mode=disabled", f"hydra.run.dir={tmp_path}", cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    said = out.stdout + out.stderr + (tmp_path / "clbench.log").read_text()
+    assert "from checkpoint" not in said  # timm's own lines: the backbone line names the file
+    assert out.stderr.count("vit_micro.glyphs.safetensors") == 1

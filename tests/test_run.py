@@ -35,6 +35,25 @@ def assert_lower_triangular(matrix: list[list[float | None]]) -> None:
         assert all(v is None for v in row[i + 1 :])
 
 
+def test_results_record_the_versions_device_and_commit_they_were_measured_with(tmp_path: Path) -> None:
+    import platform
+    import subprocess
+
+    import timm
+
+    from clbench.provenance import git_state
+
+    _, res = run_tiny(tmp_path, "method=finetune", "data.num_tasks=1", "trainer.epochs=1")
+    versions = res["versions"]
+    assert versions["python"] == platform.python_version() and versions["timm"] == timm.__version__
+    assert versions["torch"] == torch.__version__ and versions["cuda"] is None and versions["cudnn"] is None
+    assert versions["device"].startswith("CPU (")
+    source = Path(__file__).resolve().parent  # the checkout the tests (and clbench, installed editable) come from
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=source, capture_output=True, text=True, check=True)
+    assert res["git_commit"] == head.stdout.strip() and isinstance(res["git_dirty"], bool)
+    assert git_state(tmp_path) == (None, None)  # outside a checkout (an installed wheel): nothing claimed
+
+
 def test_finetune_results_follow_the_contract(tmp_path: Path) -> None:
     _, res = run_tiny(tmp_path, "method=finetune")
     assert res["status"] == "finished" and res["method"] == "finetune"

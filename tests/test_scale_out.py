@@ -74,6 +74,7 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
     assert best["best_params"]["method.lam"] == pytest.approx(winner["lam"])
     assert best["best_params"]["method.tau"] == pytest.approx(winner["tau"])
     assert len({r["method_config"]["lam"] for r in runs}) == 3  # the sampler really varied lam
+    assert "setup plugin" not in out.stdout + out.stderr  # Optuna's alembic plugins say nothing to a user
 
 
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all

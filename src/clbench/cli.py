@@ -228,12 +228,27 @@ def main() -> None:
 
 
 def did_you_mean(error: HydraException) -> str | None:
-    """For a key a group's schema does not have (``trainer.fooo=1``), the closest key it has."""
+    """For a key a group's schema does not have (``trainer.fooo=1``, or ``method.lamda=0.5`` for the method the
+    command line chose), the closest key it has."""
     full_key = str(getattr(error.__cause__, "full_key", "") or "")
     group, _, key = full_key.rpartition(".")
-    schema = GROUPS.get(group)
+    schema = GROUPS.get(group) if group != "method" else chosen_method_config(sys.argv[1:])
     match = closest(key, [f.name for f in dataclasses.fields(schema)]) if schema is not None and key else None
     return f"did you mean `{group}.{match}`?" if match else None
+
+
+def chosen_method_config(argv: list[str]) -> type | None:
+    """The ``Config`` dataclass of the method a command line chose (directly or through a preset): the config
+    composed again without its ``method.*`` keys. None where that cannot be said (a sweep over methods, say)."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("method.")]
+    try:
+        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+            target = compose("config", overrides=overrides).method._target_
+        return get_class(str(target)).Config
+    except Exception:  # the command line has another error too, or sweeps the method: no suggestion
+        return None
 
 
 if __name__ == "__main__":

@@ -42,8 +42,7 @@ def missing_datasets(cfg: DataConfig) -> list[str]:
             continue
         fetch = "or run with data.download=true" if files.downloads else "and copy it there (data.download cannot)"
         lines.append(
-            f"{name}: {files.title} ({files.size}), expected as {root}/{files.layout}. Get it from {files.url} "
-            f"{fetch}."
+            f"{name}: {files.title} ({files.size}), expected as {root}/{files.layout}. Get it from {files.url} {fetch}."
         )
     return lines
 

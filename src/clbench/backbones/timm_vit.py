@@ -162,7 +162,8 @@ def check_keys(model: VisionTransformer, path: Path) -> None:
     keys belong to another network would leave the ViT random without an error. The file's state dict, adapted as
     timm adapts it (:func:`checkpoint_filter_fn`: position embeddings resampled, layouts converted), must hold every
     weight of the model and nothing else but a classifier; timm's adaptations are logged."""
-    state = checkpoint_filter_fn(load_state_dict(str(path)), model)
+    raw = load_state_dict(str(path))
+    state = checkpoint_filter_fn(dict(raw), model)
     expected = set(model.state_dict())
     head = {k for k in state if k.split(".")[0] in ("head", "fc", "classifier", "head_dist")}
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected - head)
@@ -176,10 +177,10 @@ def check_keys(model: VisionTransformer, path: Path) -> None:
         )
     if head:
         log.info("%s: classifier %s dropped (clbench adds its own heads)", path, ", ".join(sorted(head)))
-    raw = load_state_dict(str(path)).get("pos_embed")
-    if raw is not None and raw.shape != model.pos_embed.shape:
+    stored = raw.get("pos_embed")
+    if stored is not None and stored.shape != model.pos_embed.shape:
         log.info(
-            "%s: position embeddings resampled from %s to %s", path, tuple(raw.shape), tuple(model.pos_embed.shape)
+            "%s: position embeddings resampled from %s to %s", path, tuple(stored.shape), tuple(model.pos_embed.shape)
         )
 
 

@@ -1,9 +1,10 @@
 """What each dataset clbench reads is, where to get it, how it must lie under ``data.root`` and how large it is: the
 facts the "missing data" message and the docs' data table are made from (one place, not typed twice).
 
-``layout`` starts with the dataset's folder under ``data.root``. ``needs`` lists the paths, relative to ``data.root``, whose presence says the dataset is there (the readers check
-checksums and contents when they load it). A folder ``<name>/{train,test}/<class>/*`` of images stands in for any
-built-in layout (:func:`clbench.data.sources.reads_folder`).
+``layout`` starts with the dataset's folder under ``data.root``. ``needs`` lists the paths, relative to
+``data.root``, whose presence says the dataset is there (the readers check checksums and contents when they load
+it). A folder ``<name>/{train,test}/<class>/*`` of images stands in for any built-in layout
+(:func:`clbench.data.sources.reads_folder`).
 """
 
 from __future__ import annotations

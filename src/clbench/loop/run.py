@@ -44,6 +44,7 @@ from clbench.loop.signals import stop_signals
 from clbench.loop.task import Hooks, run_task
 from clbench.methods import Method
 from clbench.prerequisites import check_prerequisites
+from clbench.provenance import git_state, versions
 from clbench.results import Results
 from clbench.tracking import WandbTracker, console, print_summary, say, write_run_files
 
@@ -234,10 +235,12 @@ def header(cfg: RunConfig) -> dict[str, Any]:
 
 
 def start_record(cfg: RunConfig, method: Method, rt: Runtime, results: Results, main: bool) -> Path | None:
-    """What results.json records before training (device, the weights file and its SHA-256, the seeded data splits,
-    how the step runs); warns where a frozen-backbone method would learn over random features. Returns the loaded
-    weights file."""
+    """What results.json records before training (device, versions and commit, the weights file and its SHA-256, the
+    seeded data splits, how the step runs); warns where a frozen-backbone method would learn over random features.
+    Returns the loaded weights file."""
     results.header["device"] = str(rt.device)
+    results.header["versions"] = versions(rt.device)
+    results.header["git_commit"], results.header["git_dirty"] = git_state()
     # A method rebuilt from its principle where its paper's equations could not be read (TFM, KSM): never cite its
     # numbers as the paper's.
     results.header["reconstructed"] = method.reconstructed
