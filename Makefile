@@ -20,8 +20,7 @@ install: $(STAMP)  ## create .venv and install clbench with the dev tools
 
 run: $(STAMP)  ## the embedded default: finetune on sklearn digits (5 tasks), vit_micro, CPU, ~1 minute
 	$(VENV)/bin/clbench $(ARGS)
-	@printf '\n%s\n' "To run clbench yourself: source $(VENV)/bin/activate (then: clbench --help, clbench method=l2p," \
-	  "...), or call $(VENV)/bin/clbench directly."
+	@printf '\n%s\n' "Run clbench yourself: source $(VENV)/bin/activate, then clbench --help (or call $(VENV)/bin/clbench)"
 
 # Tests run in parallel (pytest-xdist), a worker a core (4 at most), each with one torch thread: on 2 cores this took
 # the default suite from 14:57 (one process, two threads) to 11:46 and 12:30 (two runs).
