@@ -31,6 +31,8 @@ class Results:
         self.storage: dict[str, Any] = {}
         self.extra: dict[str, Any] = {}
         self.acceleration: dict[str, Any] = {}  # how the step ran: compiled, CUDA graphs, compile time, fallbacks
+        # per training phase: {"task", "phase", and the scalars trained of each part (clbench.loop.trained_parts)}
+        self.trained_parameters: list[dict[str, Any]] = []
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results (the rest comes from the config)."""
@@ -43,12 +45,14 @@ class Results:
             "timing": self.timing,
             "storage": self.storage,
             "extra": self.extra,
+            "trained_parameters": self.trained_parameters,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         self.rows, self.before_task, self.random_init = state["rows"], state["before_task"], state["random_init"]
         self.validation_rows, self.diagnostics = state["validation_rows"], state["diagnostics"]
         self.timing, self.storage, self.extra = state["timing"], state["storage"], state["extra"]
+        self.trained_parameters = state.get("trained_parameters", [])  # absent in a checkpoint written before it
 
     @property
     def stages(self) -> int:
@@ -114,10 +118,20 @@ class Results:
             **self.diagnostics,
             **({"objective": self.objective} if self.objective else {}),
             "storage": self.storage,
+            "trained_parameters": self.trained_parameters,
             "timing": self.timing,
             **({"acceleration": self.acceleration} if self.acceleration else {}),
             **self.extra,
         }
+
+    def record_trained(self, task: int, phase: str, counts: dict[str, int]) -> bool:
+        """Keep what a phase trains (once: a resumed phase replaces its entry); whether it differs from the phase
+        before (worth saying)."""
+        entry = {"task": task, "phase": phase, **counts}
+        kept = [e for e in self.trained_parameters if (e["task"], e["phase"]) != (task, phase)]
+        changed = not kept or {k: v for k, v in kept[-1].items() if k not in ("task", "phase")} != counts
+        self.trained_parameters = [*kept, entry]
+        return changed
 
     def validation(self) -> dict[str, Any]:
         """results.json's ``validation`` entry, with a validation split."""

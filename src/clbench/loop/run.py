@@ -42,7 +42,9 @@ from clbench.loop.resume import Saved, check_identity, finish_untrained, identit
 from clbench.loop.runtime import Runtime, build_runtime, describe
 from clbench.loop.signals import stop_signals
 from clbench.loop.task import Hooks, run_task
+from clbench.loop.trained_parts import describe_counts
 from clbench.methods import Method
+from clbench.methods.base import Phase
 from clbench.prerequisites import check_prerequisites
 from clbench.provenance import git_state, versions
 from clbench.results import Results
@@ -143,6 +145,10 @@ def train_tasks(
             }
             checkpoint.save(run_dir, Position(task_id, step, cursor), payload)
 
+    def trains(task: Task, phase: Phase, counts: dict[str, int]) -> None:
+        if results.record_trained(task.id, phase.name, counts) and main:
+            say(f"task {task.id}, phase {phase.name}: trains {describe_counts(counts)}")
+
     step = position.step
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     bars = Progress(*columns, TimeRemainingColumn(), console=console, transient=True, disable=not main)
@@ -152,7 +158,7 @@ def train_tasks(
             if cursor is None:
                 start_task(method, task, rt, results)
             start = time.perf_counter()
-            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop)
+            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop, trains)
             step, images = run_task(method, task, rt, epochs=cfg.trainer.epochs, step=step, cursor=cursor, hooks=hooks)
             method.after_task(task)
             if rt.device.type == "cuda":

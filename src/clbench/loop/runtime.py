@@ -24,6 +24,7 @@ from clbench.distributed import Ranks
 from clbench.errors import ConfigError
 from clbench.evaluation import SCENARIOS, Evaluation, evaluate
 from clbench.loop.optim import schedulers_fill_tensor_rates
+from clbench.loop.trained_parts import backbone_parts
 from clbench.memory import Memory
 from clbench.methods import Method
 from clbench.tracking import say
@@ -121,6 +122,7 @@ class Runtime:
     ranks: Ranks
     accel: Acceleration = Acceleration(compile=False, graphs=False, why_not_graphs="not asked for")
     log: AccelerationLog = field(default_factory=AccelerationLog)
+    backbone_parts: dict[str, str] = field(default_factory=dict)  # the ViT's parameter names as built -> their part
 
     def mixup(self, task: Task) -> Mixup | None:
         """timm's Mixup/CutMix over the task's classes (DeiT's recipe), or None when both are off."""
@@ -169,6 +171,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     benchmark = build_benchmark(cfg.data, device, say, ranks)
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
+    parts = backbone_parts(backbone)  # before the method wraps any layer
     method = get_class(cfg.method_target)(backbone, benchmark, cfg.method).to(device)
     if (cfg.trainer.mixup or cfg.trainer.cutmix) and not method.takes_soft_targets():
         raise ConfigError(
@@ -188,7 +191,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
         )
     size = cfg.backbone.img_size
     transforms = (DeviceTransform(cfg.data, size, mean, std, train=t, device=device) for t in (True, False))
-    return method, Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel)
+    return method, Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel, backbone_parts=parts)
 
 
 def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) -> list[str]:

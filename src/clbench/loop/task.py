@@ -27,6 +27,7 @@ from clbench.errors import Diverged, Preempted
 from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
 from clbench.loop.runtime import Runtime
 from clbench.loop.step import Stepper
+from clbench.loop.trained_parts import parameter_parts, trained_counts
 from clbench.methods import Method
 from clbench.methods.base import Logs, Phase
 from clbench.plateau import Plateau
@@ -42,6 +43,7 @@ class Hooks:
     progress: Progress | None = None
     save: Callable[[Cursor, int], None] | None = None
     stop: Callable[[], int | None] | None = None
+    trains: Callable[[Task, Phase, dict[str, int]], None] | None = None  # what a phase trains, by part
 
     def signal(self) -> int | None:
         return self.stop() if self.stop is not None else None
@@ -142,6 +144,8 @@ class PhaseRun:
         self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
         self.per_epoch = split.num_batches(cfg.batch_size)
         self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
+        if hooks.trains is not None:
+            hooks.trains(task, phase, trained_counts(self.optimizer, parameter_parts(method, rt.backbone_parts)))
         total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)
         self.plateau = Plateau(cfg.plateau_patience, cfg.plateau_factor) if cfg.schedule == "plateau" else None
         self.schedule = torch.optim.lr_scheduler.LambdaLR(
