@@ -82,7 +82,7 @@ class MAS(Method):
             norms = self.task_logits(x, task.id).float().square().sum()
             grads = torch.autograd.grad(norms, params)
         for total, g in zip(self.sums, grads, strict=False):
-            total += g.float().abs()
+            total.add_(g.float().abs())
         self.sums[-1] += len(x)
 
     def observations(self) -> list[torch.Tensor]:
@@ -95,7 +95,7 @@ class MAS(Method):
         if self.sums:
             count = self.sums[-1].clamp(min=1)
             for omega, total in zip(self.omega.buffers(), self.sums, strict=False):
-                omega += total / count
+                omega.add_(total / count)
         for name, p in self.backbone.named_parameters():
             self.anchor.get_buffer(key(name)).copy_(p.detach().float())
         self.sums = []
