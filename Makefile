@@ -4,7 +4,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run test test-all bench table gpu-check gpu-test gpu-test-steps gpu-test-runs gpu-bench \
+.PHONY: help install run test test-all docs bench table gpu-check gpu-test gpu-test-steps gpu-test-runs gpu-bench \
 	gpu-bench-micro gpu-l2p weights lint format clean
 
 help:  ## list the targets
@@ -13,10 +13,10 @@ help:  ## list the targets
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,docs]'
 	touch $(STAMP)
 
-install: $(STAMP)  ## create .venv and install clbench with the dev tools
+install: $(STAMP)  ## create .venv and install clbench with the dev and docs tools
 
 run: $(STAMP)  ## the embedded default: finetune on sklearn digits (5 tasks), vit_micro, CPU, ~1 minute
 	$(VENV)/bin/clbench $(ARGS)
@@ -32,6 +32,9 @@ test: $(STAMP)  ## the fast test suite (about 13 minutes on 2 CPU cores)
 
 test-all: $(STAMP)  ## every test, slow ones included
 	$(TEST_ENV) $(PY) -m pytest -q $(TEST_PAR) -m 'not gpu' $(ARGS)
+
+docs: $(STAMP)  ## build the docs site into site/ (strict: a broken link or page fails); serve: .venv/bin/mkdocs serve
+	$(VENV)/bin/mkdocs build --strict $(ARGS)
 
 bench: $(STAMP)  ## step throughput of every method vs plain timm references -> bench.json (vit_micro on CPU)
 	HF_HUB_OFFLINE=1 $(PY) -m clbench.bench $(ARGS)
@@ -87,13 +90,13 @@ weights: $(STAMP)  ## regenerate the shipped micro-ViT weights bit for bit (stro
 	$(PY) -m clbench.pretraining.vit_micro $(ARGS)
 
 lint: $(STAMP)  ## ruff check + format check
-	$(VENV)/bin/ruff check src tests
-	$(VENV)/bin/ruff format --check src tests
+	$(VENV)/bin/ruff check src tests docs/examples docs/hooks
+	$(VENV)/bin/ruff format --check src tests docs/examples docs/hooks
 
 format: $(STAMP)  ## apply ruff's fixes and formatting
-	$(VENV)/bin/ruff check --fix src tests
-	$(VENV)/bin/ruff format src tests
+	$(VENV)/bin/ruff check --fix src tests docs/examples docs/hooks
+	$(VENV)/bin/ruff format src tests docs/examples docs/hooks
 
 clean:  ## remove caches and build outputs (keeps .venv and outputs/)
-	rm -rf build dist .pytest_cache .ruff_cache src/*.egg-info
+	rm -rf build dist site .pytest_cache .ruff_cache src/*.egg-info
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

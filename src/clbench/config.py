@@ -61,7 +61,7 @@ class DataConfig:
     # classes: the source's classes cut into `tasks` tasks | pixel_permutations: every task holds all of the source's
     # classes, each task's images under its own fixed pixel permutation (PermutedMNIST), seeded by permutation_seed
     tasks_by: str = "classes"
-    permutation_seed: int = 0
+    permutation_seed: int = 0  # pixel_permutations: task t's permutation is drawn by RandomState(seed + t)
     # pixel_permutations: the side the images are resized to before their pixels are permuted (null: as stored). A
     # ViT whose patch is one source pixel would see the permutation as a mere shuffle of its tokens.
     permutation_size: int | None = None
@@ -82,9 +82,9 @@ class DataConfig:
     stream_workers: int = 4  # store=stream: processes reading batches from the cache (0: in the training process)
     # Train-time augmentation, applied in batches on the device.
     train_crop: str = "pad"  # pad: shift by up to crop_padding px | resized: RandomResizedCrop | none
-    crop_padding: int = 4
-    resized_crop_scale: tuple[float, float] = (0.08, 1.0)
-    hflip: bool = True
+    crop_padding: int = 4  # train_crop=pad: the largest shift, in pixels
+    resized_crop_scale: tuple[float, float] = (0.08, 1.0)  # train_crop=resized: the crop's share of the image area
+    hflip: bool = True  # random horizontal flips
     randaugment_ops: int = 0  # RandAugment per training image (torchvision's): ops per image (DeiT: 2; 0: off)
     randaugment_magnitude: int = 9  # ... their magnitude, 0..30 (DeiT: 9)
     random_erasing: float = 0.0  # probability of erasing a random box of each training image with noise (DeiT: 0.25)
@@ -93,10 +93,10 @@ class DataConfig:
     test_resize: int | None = None
     # Only for source=synthetic: class prototypes plus noise, for tests and timings without files.
     synthetic_classes: int = 10
-    synthetic_train_per_class: int = 50
-    synthetic_test_per_class: int = 10
-    synthetic_image_size: int = 32
-    synthetic_channels: int = 3
+    synthetic_train_per_class: int = 50  # training images a class
+    synthetic_test_per_class: int = 10  # test images a class
+    synthetic_image_size: int = 32  # side in pixels
+    synthetic_channels: int = 3  # 1 (grey) or 3 (RGB)
 
     def __post_init__(self) -> None:
         require_choice("data.source", self.source, (*SOURCES, "sequence"))
@@ -162,16 +162,16 @@ class BackboneConfig:
 
     name: str  # label recorded in results.json
     model: str  # timm model name
-    img_size: int = 224
+    img_size: int = 224  # input side in pixels: images are resized to it on the device
     tag: str | None = None  # pretrained tag, e.g. orig_in21k (L2P) or fb_in1k (DeiT)
     pretrained: bool = False  # load the tagged weights from the Hugging Face hub (or its cache)
     weights: str | None = None  # a local .safetensors/.pth/.npz checkpoint; no network needed
     normalize: bool = True  # normalise pixels with the weights' mean/std (false: pixels in [0, 1], as L2P)
-    drop_path_rate: float = 0.0
+    drop_path_rate: float = 0.0  # stochastic depth while training (DeiT-S: 0.1)
     refiner: bool = False  # Refiner attention (expansion, distributed local attention, reduction) in every block
     refiner_expand: int = 3  # expansion ratio of the attention heads (Refiner: 3)
     refiner_kernel: int = 3  # kernel of the distributed local attention (Refiner: 3)
-    kwargs: dict[str, Any] = field(default_factory=dict)
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to timm.create_model, e.g. {depth: 2}
 
     def __post_init__(self) -> None:
         require(self.img_size >= 8, "backbone.img_size", self.img_size, "an integer >= 8")
@@ -192,14 +192,14 @@ class BackboneConfig:
 class TrainerConfig:
     """The loop's optimisation and runtime settings; methods' YAMLs set their papers' values."""
 
-    epochs: int = 5
-    batch_size: int = 32
-    eval_batch_size: int = 256
-    lr: float = 1e-3
+    epochs: int = 5  # epochs per task (0: no training)
+    batch_size: int = 32  # training batch; under torchrun the global batch, shared by the ranks
+    eval_batch_size: int = 256  # evaluation batch
+    lr: float = 1e-3  # peak learning rate (a method's optimizer groups may carry their own)
     lr_scale_batch: int | None = None  # linear scaling rule: lr * batch_size / lr_scale_batch (null: off)
     optimizer: str = "adamw"  # adamw | adam | sgd
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # not on biases, norms and position/class tokens (unless a method's group sets its own)
     schedule: str = "cosine"  # cosine | constant | exponential, per phase | plateau (HAT's, on validation)
     lr_decay: float = 0.95  # exponential: the lr's factor after each epoch (staircase; APD's code: 0.95)
     plateau_patience: int = 5  # plateau: epochs without a better validation loss before the lr is divided
@@ -270,8 +270,8 @@ class LoggerConfig:
     """Weights & Biases settings; the run folder is written whatever the mode."""
 
     mode: str = "offline"  # offline (sync later with `wandb sync`) | online | disabled
-    project: str = "clbench"
-    entity: str | None = None
+    project: str = "clbench"  # the W&B project
+    entity: str | None = None  # the W&B team or user (null: your default)
     group: str | None = None  # null: <method>-<benchmark>-<backbone>-<hash of the config less the seed>
     name: str | None = None  # null: the job's overrides, e.g. method=meat,seed=1
     tags: list[str] = field(default_factory=list)  # added to method:<m>, benchmark:<b>, backbone:<b>
@@ -289,8 +289,8 @@ class MemoryConfig:
     sizes); ``size``: a fixed total from the first task on, shared by the seen classes (reservoir: by the stream)."""
 
     sampler: str = "auto"  # auto (the method's paper's) | reservoir | uniform | balanced | herding | greedy
-    per_class: int | None = None
-    size: int | None = None
+    per_class: int | None = None  # images kept a class (null: no per-class budget)
+    size: int | None = None  # a fixed total number of images (null: no fixed budget)
     batch_size: int | None = None  # memory images a replayed draw adds to each step (null: trainer.batch_size)
 
     def __post_init__(self) -> None:
@@ -324,7 +324,7 @@ class RunConfig:
     memory: MemoryConfig
     method: Any
     method_target: str
-    seed: int = 0
+    seed: int = 0  # training seed (initialisation, shuffling, augmentation); the class order has its own
     resume: bool | str = False  # True | False | "auto" (resume only where a checkpoint exists)
     objective: str | None = None  # the metric a job returns to a sweeper, e.g. validation.cil.final_acc
     objective_on_test: bool = False  # let `objective` read a test metric (selection on test: opt-in, warned)

@@ -51,7 +51,7 @@ class APDConfig:
     k_centroids: int = 2  # clusters a round: k_centroids * tasks / every [code]
     init: str = "keep"  # keep: each task starts at the shared function [clbench] | code: the official init
     mask_init: float = 6.0  # init=keep: M_t's value (sigmoid 0.9975) [clbench]
-    old_masks: str = "train"  # train: earlier M_j follow the drift penalty, as the code | freeze (METHODS.md's reading)
+    old_masks: str = "train"  # train: earlier M_j follow the drift penalty, as the code | freeze: they stay as learned
     layers: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
 
     def __post_init__(self) -> None:

@@ -51,7 +51,7 @@ class CTRConfig:
     thres_cosh: float = 50.0  # [code]
     thres_emb: float = 6.0  # [code]
     anneal: str = "code"  # code: s = (s_max - 1/s_max) batch / batches + 1/s_max [CTR's code] | paper: HAT's Eq. 3
-    adapter_size: int = 64  # TSM bottleneck units [clbench: the code's 2000 would equal ViT-B; METHODS.md 9.D.6]
+    adapter_size: int = 64  # TSM bottleneck units [clbench's choice: the code's 2000 would equal ViT-B]
     channels: int = 100  # the similarity estimator's Conv1d channels a kernel size [code]
     ksm: str = "shared"  # shared: the code's (capsules, routing, estimator updated by later tasks) | frozen
     ksm_lr: float | None = 5e-5  # the KSM's learning rate [code: its one lr]; null: trainer.lr

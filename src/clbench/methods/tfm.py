@@ -51,7 +51,7 @@ def unpack_states(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 @dataclass
 class TFMConfig:
-    growth: float = 0.1  # new MLP units a block a task, as a share of the pretrained 4d [clbench: METHODS.md 9.A.4]
+    growth: float = 0.1  # new MLP units a block a task, as a share of the pretrained 4d [clbench's choice]
     reuse: str = "all"  # all: a task uses every earlier task's units (state 1) | own: only the pretrained and its own
 
     def __post_init__(self) -> None:
