@@ -34,7 +34,7 @@ test-all: $(STAMP)  ## every test, slow ones included
 	$(TEST_ENV) $(PY) -m pytest -q $(TEST_PAR) -m 'not gpu' $(ARGS)
 
 docs: $(STAMP)  ## build the docs site into site/ (strict: a broken link or page fails); serve: .venv/bin/mkdocs serve
-	$(VENV)/bin/mkdocs build --strict $(ARGS)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict $(ARGS)
 
 bench: $(STAMP)  ## step throughput of every method vs plain timm references -> bench.json (vit_micro on CPU)
 	HF_HUB_OFFLINE=1 $(PY) -m clbench.bench $(ARGS)

@@ -3,7 +3,8 @@
 A line ``<!-- config: GROUP -->`` in a page becomes the table of that group's schema (``clbench.config.GROUPS``;
 ``top`` for the top-level keys of ``RunConfig``), and ``<!-- config: method/NAME -->`` the table of the ``Config``
 dataclass of the class that ``conf/method/NAME.yaml`` names, with the values that YAML sets and its trainer recipe
-(``method/*``: a section for every method shipped).
+(``method/*``: a section for every method shipped); ``<!-- config: datasets -->`` the table of every dataset read
+from files (``clbench.data.catalog``).
 Each row is a field: its key, type, default and the comment that documents it in the source (the comment on its
 line, after the comment lines right above it), so no key is typed twice by hand.
 """
@@ -43,11 +44,26 @@ def table(name: str) -> str:
         return "\n\n".join(f"### `method={m}`\n\n{method_table(m)}" for m in method_names())
     if name.startswith("method/"):
         return method_table(name.removeprefix("method/"))
+    if name == "datasets":
+        return datasets_table()
     if name == "top":
         skip = {*config.GROUPS, "method", "method_target"}
         return rows(config.RunConfig, "", [f for f in dataclasses.fields(config.RunConfig) if f.name not in skip])
     schema = config.GROUPS[name]
     return rows(schema, f"{name}.", dataclasses.fields(schema))
+
+
+def datasets_table() -> str:
+    """Every dataset clbench reads from files (clbench.data.catalog: the facts its "missing data" message gives)."""
+    from clbench.data.catalog import DATASETS
+
+    head = "| name | dataset | get it from | layout under `data.root` | size | `data.download` |\n" + "|---" * 6 + "|"
+    lines = [
+        f"| `{name}` | {escape(f.title)} | {escape(f.url)} | {code(f.layout)} | {f.size} | "
+        f"{'yes' if f.downloads else 'no: copy it by hand'} |"
+        for name, f in DATASETS.items()
+    ]
+    return "\n".join([head, *lines])
 
 
 def method_table(name: str) -> str:
