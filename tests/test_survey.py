@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clbench.errors import ConfigError
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
-from clbench.methods.apd import APD, consolidate
+from clbench.methods.apd import APD, code_kmeans, consolidate
 from clbench.methods.ctr import CTR, Plugin
 from clbench.methods.hat import capacity, code_annealed_s
 from clbench.methods.ksm import KSM, binary_part, soft_mask
@@ -245,6 +246,130 @@ def test_apd_consolidates_after_every_fifth_task_and_keeps_each_theta_within_hal
         for j in range(5):
             assert float((layer.theta(j).detach() - before[name][j]).abs().max()) <= 0.05 / 2 + 1e-6
     assert len(method.capacity) == 5 and float(method.capacity[-1]) > 0  # one a task
+
+
+def nan_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.double(), b.double(), equal_nan=True, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_apd_kmeans_is_the_codes_shuffle_init_warm_start_and_100_iterations(seed: int) -> None:
+    """k_means_clustering against its transcription on 10 tasks' small tensors in 3 groups: the first round (k = 2 of 5)
+    from the shuffle, the second (k = 4 of 10) warm-started from the first's centroids."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(3, 12, generator=gen)
+    points = centres[torch.randint(3, (10,), generator=gen)] + 0.3 * torch.randn(10, 12, generator=gen)
+    torch.manual_seed(seed)
+    labels, centroids = code_kmeans(points[:5], 2)
+    torch.manual_seed(seed)
+    ref_labels, ref_centroids = apd_ref.kmeans(list(points[:5]), 2, torch.randperm(5))
+    assert labels == ref_labels
+    nan_equal(centroids, ref_centroids)
+    torch.manual_seed(seed + 100)
+    labels, centroids = code_kmeans(points, 4, previous=ref_centroids.float())
+    torch.manual_seed(seed + 100)
+    ref_labels, ref_centroids = apd_ref.kmeans(list(points), 4, torch.randperm(10), prv_cent=ref_centroids)
+    assert labels == ref_labels
+    nan_equal(centroids, ref_centroids)
+
+
+def test_apd_kmeans_leaves_an_emptied_cluster_empty() -> None:
+    """A warm-start centroid far from every task's tensor wins no member: its mean is NaN and it stays empty, where
+    k-means++ would fill it."""
+    points = torch.tensor([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0], [5.1, 5.0], [5.0, 5.1]])
+    previous = torch.tensor([[100.0, 100.0]])
+    torch.manual_seed(0)
+    labels, centroids = code_kmeans(points, 2, previous=previous)
+    torch.manual_seed(0)
+    ref_labels, ref_centroids = apd_ref.kmeans(list(points), 2, torch.randperm(5), prv_cent=previous)
+    assert labels == ref_labels and 0 not in labels
+    assert torch.isnan(centroids[0]).all()
+    nan_equal(centroids, ref_centroids)
+
+
+@pytest.mark.parametrize("kmeans", ["code", "sklearn"])
+def test_apd_consolidation_clusters_with_the_chosen_kmeans(kmeans: str) -> None:
+    """kmeans=code: each layer's round is the code's k-means of its tasks' full tau (the shuffles drawn layer by layer),
+    and its centroids are kept for the next round's warm start; kmeans=sklearn keeps none."""
+    method, rt = apd_started("data.num_tasks=5", f"method.kmeans={kmeans}", tasks=5)
+    with torch.no_grad():
+        full = {
+            name: torch.stack([la.taus[j] + la.shared(j) for j in range(5)]).flatten(1)
+            for name, la in method.layers.items()
+        }
+    torch.manual_seed(3)
+    method.after_task(rt.benchmark.tasks[4])
+    if kmeans == "sklearn":
+        assert all(len(layer.centroids) == 0 for layer in method.layers.values())
+        return
+    torch.manual_seed(3)
+    for name, layer in method.layers.items():
+        _, ref_centroids = apd_ref.kmeans(list(full[name]), 2, torch.randperm(5))
+        nan_equal(layer.centroids.flatten(1), ref_centroids)
+
+
+@pytest.mark.parametrize("scale", [10.0, 1.0])
+def test_apd_scales_every_gradient_before_adam_as_the_code(scale: float) -> None:
+    """grad_scale=10 (the code's x10) multiplies every trained gradient; through Adam (epsilon 1e-8) a coordinate whose
+    gradient is 1e-9 then moves lr * 1e-8 / (1e-8 + 1e-8) = lr / 2 on its first step, not lr * 1e-9 / 1.1e-8 =
+    lr / 11."""
+    method, rt = apd_started(f"method.grad_scale={scale}", tasks=1)
+    task = rt.benchmark.tasks[0]
+    params = [p for g in method.param_groups(task, method.phases(task, 1)[0]) for p in g["params"]]
+    method.train()
+    loss, _ = method.training_loss(rt.train_tf(rt.benchmark.train[0].x[:4]), rt.benchmark.train[0].y[:4], task)
+    loss.backward()
+    grads = [p.grad.clone() for p in params]
+    method.after_backward(task)
+    for p, g in zip(params, apd_ref.code_gradients(grads) if scale == 10 else grads, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    sigma = method.layers["blocks.0.mlp.fc1"].sigma
+    optimizer = torch.optim.Adam([sigma], lr=1e-3, eps=1e-8)
+    before = sigma.detach().clone()
+    sigma.grad = torch.full_like(sigma, 1e-9)
+    method._trained = [sigma]
+    method.after_backward(task)
+    optimizer.step()
+    step = 1e-3 * (1e-9 * scale) / (1e-9 * scale + 1e-8)
+    torch.testing.assert_close(before - sigma.detach(), torch.full_like(sigma, step), rtol=1e-4, atol=0)
+
+
+def test_apd_capacity_is_over_the_codes_base_one_network_and_every_head_but_the_newest() -> None:
+    """cifar100_apd_run.py's full_base after task idx: the decomposed weights plus idx head weight matrices
+    (500 n idx)."""
+    method, _ = apd_started("method.l1=0.04", tasks=2)
+    kept = sum(
+        int(la.sigma.count_nonzero())
+        + sum(int(m.count_nonzero()) + b.numel() for m, b in zip(la.masks, la.biases, strict=True))
+        + sum(int((t.abs() > 0.04).sum()) for t in la.taus)
+        for la in method.layers.values()
+    ) + sum(p.numel() for h in method.heads for p in h.parameters())
+    base = sum(la.sigma.numel() for la in method.layers.values()) + method.heads[0].weight.numel()  # idx = 1
+    assert method.current_capacity() == pytest.approx(apd_ref.capacity(kept, base))
+
+
+def test_apd_others_shared_trains_the_rest_of_the_backbone_and_results_say_so() -> None:
+    """others=shared (a ViT from scratch): the embeddings, cls token and LayerNorms train with every task, and storage
+    and results.json count them; others=frozen (the default) trains none of them."""
+    for others in ("frozen", "shared"):
+        method, rt = apd_started(f"method.others={others}", tasks=2)
+        task = rt.benchmark.tasks[1]
+        trained = {id(p) for g in method.param_groups(task, method.phases(task, 1)[0]) for p in g["params"]}
+        rest = [method.backbone.patch_embed.proj.weight, method.backbone.pos_embed, method.backbone.cls_token]
+        rest += list(method.backbone.blocks[0].norm1.parameters()) + list(method.backbone.norm.parameters())
+        assert all((id(p) in trained) == (others == "shared") for p in rest)
+        numel = sum(p.numel() for p in method.others)
+        assert numel >= sum(p.numel() for p in rest)
+        assert method.extra_results()["apd"]["others"] == others
+        assert method.storage()["shared_bits"].get("others") == (32 * numel if others == "shared" else None)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"), [("method.layers=[attn.nope]", "layers"), ("method.mask_init=nan", "mask_init")]
+)
+def test_apd_refuses_a_layer_that_is_no_block_linear_and_a_non_finite_mask_init(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"method.{key}"):
+        tiny_config("method=apd", override)
 
 
 def test_apd_drift_of_an_earlier_task_falls_as_its_penalty_grows() -> None:
