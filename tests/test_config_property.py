@@ -51,7 +51,7 @@ METHOD_KEYS = {
         "grad_scale",
         "others",
     ],
-    "ctr": ["s_max", "c", "anneal", "adapter_size", "channels", "ksm", "ksm_lr"],
+    "ctr": ["s_max", "c", "anneal", "adapter_size", "channels", "ksm", "ksm_lr", "ks_gate"],
     "ksm": ["temperature", "alpha", "init", "group", "mask_lr"],
     "tfm": ["growth", "reuse"],
 }

@@ -10,8 +10,8 @@ from clbench.errors import ConfigError
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.apd import APD, code_kmeans, consolidate
-from clbench.methods.ctr import CTR, Plugin
-from clbench.methods.hat import capacity, code_annealed_s
+from clbench.methods.ctr import CTR, Plugin, ctr_annealed_s
+from clbench.methods.hat import capacity
 from clbench.methods.ksm import KSM, binary_part, soft_mask
 from clbench.methods.tfm import TFM, pack_states, unpack_states
 from conftest import tiny_config
@@ -434,8 +434,9 @@ def test_ctr_plugin_is_the_transcribed_one_at_eval_and_with_the_same_gumbel_draw
     s = method.config.s_max
     method.eval()
     with torch.no_grad():
-        for gate_key, gate in method.gates(task, s).items():
-            method.gated[gate_key].gate = gate
+        gates = method.gates(task, s)
+        for gate_key, layer in method.gated.items():  # the KS-layer's gates (ks_gate) gate no layer, as in the code
+            layer.gate = gates[gate_key]
         plugin.ksm.task = task
         torch.testing.assert_close(plugin(z), ctr_ref.plugin(z, task, p, s), rtol=1e-5, atol=1e-5)
         method.train()
@@ -459,7 +460,6 @@ def test_ctr_guards_the_tsm_with_the_transcribed_hat_masks_and_anneals_as_the_co
         layer = plugin.fc1 if name.startswith("fc1") else plugin.fc2
         param = layer.weight if name.endswith("_w") else layer.bias
         torch.testing.assert_close(guarded[id(param)].expand_as(param), expected[name])
-    assert [code_annealed_s(b * 32, 10 * 32, 400.0) for b in range(10)] == [ctr_ref.anneal(b, 10) for b in range(10)]
     gates = [g for g in method.gates(2, 3.0).values()]
     previous = [method.cumulative(k) for k in method.units]
     torch.testing.assert_close(capacity(gates, previous), ctr_ref.capacity_regulariser(gates, previous))
@@ -484,3 +484,77 @@ def test_ctr_trains_the_capsules_the_code_does_and_never_a_future_tasks(ksm: str
     loss.backward()
     assert all(p.grad is None for p in ksm_module.own(2))
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ksm_module.own(1))
+
+
+def test_ctr_anneals_by_batch_index_as_its_code_not_by_hats_sample_index() -> None:
+    """PyContinual's s = (s_max - 1/s_max) step / len(loader) + 1/s_max: at the last of 32 batches of 1,000 samples
+    (batch 32) that is 399.9975 * 31 / 32 + 0.0025 = 387.5; HAT's sample-index 992 / 1000 would give 396.8."""
+    method = ctr_started(tasks=1)
+    task = method.tasks[0]
+    method.before_epoch(task, 1000, 32)
+    for batch in (0, 16, 31):
+        method.before_step(task, batch, 32)
+        assert float(method.s) == pytest.approx(ctr_ref.anneal(batch, 32), rel=1e-6)
+        assert ctr_annealed_s(batch, 32, 400.0) == pytest.approx(ctr_ref.anneal(batch, 32), rel=1e-12)
+    assert float(method.s) == pytest.approx(387.5, abs=1e-3)
+
+
+def ctr_reg(method: CTR, task: int) -> float:
+    method.train()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return float(method.training_loss(x, torch.tensor([0, 1, 0, 1]) + 2 * task, method.tasks[task])[1]["capacity_reg"])
+
+
+@pytest.mark.parametrize("ks_gate", [True, False])
+def test_ctr_ks_layer_gates_enter_the_regulariser_and_guard_the_ks_layer_as_the_code(ks_gate: bool) -> None:
+    """ks_gate=true: every plugin's elarger gate sigmoid(s e3) is one more term of the transcribed regulariser, and the
+    KS-layer's rows take 1 - its cumulative gate; false: only g1, g2 and no guard on the KS-layer."""
+    method = ctr_started(f"method.ks_gate={ks_gate}")
+    gen = torch.Generator().manual_seed(9)
+    for key in method.units:
+        method.cumulative(key).copy_(torch.rand(method.units[key], generator=gen))
+    method.s.fill_(3.0)
+    gates, previous = [], []
+    for i, plugin in enumerate(method.plugins):
+        key = f"blocks_{i // 2}_{('attn', 'mlp')[i % 2]}"
+        p = ctr_params(method, plugin, key)
+        gates += list(ctr_ref.hat_gates(p, 2, 3.0))
+        previous += [method.cumulative(f"{key}_fc1"), method.cumulative(f"{key}_fc2")]
+        if ks_gate:
+            gates.append(ctr_ref.ks_gate(torch.stack([e[f"{key}_ks"] for e in method.embeddings]), 2, 3.0))
+            previous.append(method.cumulative(f"{key}_ks"))
+            guard = {id(g.param): method.multiplier(g) for g in method.protected}
+            expected = ctr_ref.ks_grad_masks(method.cumulative(f"{key}_ks"), plugin.ksm.out.in_features)
+            torch.testing.assert_close(
+                guard[id(plugin.ksm.out.weight)].expand_as(plugin.ksm.out.weight), expected["larger_w"]
+            )
+            torch.testing.assert_close(guard[id(plugin.ksm.out.bias)], expected["larger_b"])
+        else:
+            assert id(plugin.ksm.out.weight) not in {id(g.param) for g in method.protected}
+    expected = float(ctr_ref.capacity_regulariser(gates, previous).detach())
+    assert ctr_reg(method, 2) == pytest.approx(expected, rel=1e-5)
+
+
+def test_ctr_closed_ks_layer_gates_scale_the_first_tasks_regulariser_by_r_plus_d_over_r_plus_2d() -> None:
+    """Task 0's R = sum(g) / #g: the KS-layer's gates, once closed (e = -6 at s_max), add d units to every plugin's
+    r + d and nothing to the sum."""
+    regs = {}
+    for ks_gate in (True, False):
+        method = ctr_started(f"method.ks_gate={ks_gate}", tasks=1)
+        with torch.no_grad():
+            for key, e in method.embeddings[0].items():
+                e.fill_(-6.0 if key.endswith("_ks") else 0.3)
+        method.s.fill_(400.0)
+        regs[ks_gate] = ctr_reg(method, 0)
+    r, d = method.config.adapter_size, method.backbone.embed_dim
+    assert regs[True] / regs[False] == pytest.approx((r + d) / (r + 2 * d), rel=1e-6)
+
+
+def test_ctr_ksm_lr_null_trains_the_ksm_at_the_trainer_lr() -> None:
+    """The documented null: the KSM's group takes no lr of its own."""
+    method = ctr_started("method.ksm_lr=null", tasks=1)
+    task = method.tasks[0]
+    groups = method.param_groups(task, method.phases(task, 1)[0])
+    ksm = {id(p) for p in method.knowledge_parameters(0)}
+    (group,) = [g for g in groups if {id(p) for p in g["params"]} == ksm]
+    assert "lr" not in group
