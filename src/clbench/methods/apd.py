@@ -71,7 +71,12 @@ class APDConfig:
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, f"method.{key}", value, "a float >= 0")
         require(math.isfinite(self.mask_init), "method.mask_init", self.mask_init, "a finite float")
-        require(math.isfinite(self.grad_scale) and self.grad_scale > 0, "method.grad_scale", self.grad_scale, "> 0")
+        require(
+            math.isfinite(self.grad_scale) and self.grad_scale > 0,
+            "method.grad_scale",
+            self.grad_scale,
+            "a finite float > 0",
+        )
         require(self.every >= 1, "method.every", self.every, "an integer >= 1")
         require(self.k_centroids >= 1, "method.k_centroids", self.k_centroids, "an integer >= 1")
         require_choice("method.init", self.init, ("keep", "code"))
