@@ -308,6 +308,18 @@ def test_apd_consolidation_clusters_with_the_chosen_kmeans(kmeans: str) -> None:
         nan_equal(layer.centroids.flatten(1), ref_centroids)
 
 
+def test_apd_keeps_its_kmeans_centroids_with_the_run_for_the_next_rounds_warm_start() -> None:
+    """The centroids a round ends with travel in the artifacts (and checkpoints), so a resumed or re-evaluated run
+    warm-starts its next round from them."""
+    method, rt = apd_started("data.num_tasks=5", tasks=5)
+    method.after_task(rt.benchmark.tasks[4])
+    fresh, _ = build_runtime(tiny_config("method=apd", "data.num_tasks=5"))
+    fresh.load_artifacts(method.artifacts())
+    for name, layer in method.layers.items():
+        assert len(layer.centroids) == 2
+        nan_equal(fresh.layers[name].centroids, layer.centroids)
+
+
 @pytest.mark.parametrize("scale", [10.0, 1.0])
 def test_apd_scales_every_gradient_before_adam_as_the_code(scale: float) -> None:
     """grad_scale=10 (the code's x10) multiplies every trained gradient; through Adam (epsilon 1e-8) a coordinate whose
