@@ -82,6 +82,25 @@ def test_a_paper_preset_reads_the_real_layout_and_takes_a_step(
     assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, test_size, test_size)
 
 
+def test_the_apd_preset_trains_every_layer_of_its_vit_from_scratch_as_the_code_trains_its_cnn(tmp_path: Path) -> None:
+    """Not a random-feature model: the first step moves the patch and position embeddings, the cls token and every
+    LayerNorm (others=shared) besides the decomposed Linears' sigma."""
+    write_cifar100(tmp_path)
+    cfg = validate(
+        compose_config(
+            "experiment=apd_cifar100_split_paper", f"data.root={tmp_path}", "data.verify_checksums=false", *SHRINK
+        )
+    )
+    method, rt = build_runtime(cfg)
+    names = {id(p): n for n, p in method.backbone.named_parameters()}
+    before = {names[id(p)]: p.detach().clone() for p in [*method.others, method.layers["blocks.0.mlp.fc1"].sigma]}
+    assert {"patch_embed.proj.weight", "pos_embed", "cls_token", "norm.weight", "blocks.0.norm1.weight"} <= set(before)
+    first_step(method, rt)
+    params = dict(method.backbone.named_parameters())
+    assert [n for n, p in before.items() if torch.equal(params[n], p)] == []
+    assert method.extra_results()["apd"]["others"] == "shared"
+
+
 def write_gtsrb(root: Path, classes: int = 3, per_class: int = 2) -> None:
     """GTSRB's official layout, as torchvision reads it: Training/<class>/*.ppm, Final_Test/Images/*.ppm and the
     test labels in GT-final_test.csv (';'-separated). Sizes vary, as in GTSRB; the pixel value encodes the class."""

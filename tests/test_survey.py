@@ -6,11 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from clbench.errors import ConfigError
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
-from clbench.methods.apd import APD, consolidate
-from clbench.methods.ctr import CTR, Plugin
-from clbench.methods.hat import capacity, code_annealed_s
+from clbench.methods.apd import APD, code_kmeans, consolidate
+from clbench.methods.ctr import CTR, Plugin, ctr_annealed_s
+from clbench.methods.hat import capacity
 from clbench.methods.ksm import KSM, binary_part, soft_mask
 from clbench.methods.tfm import TFM, pack_states, unpack_states
 from conftest import tiny_config
@@ -247,6 +248,142 @@ def test_apd_consolidates_after_every_fifth_task_and_keeps_each_theta_within_hal
     assert len(method.capacity) == 5 and float(method.capacity[-1]) > 0  # one a task
 
 
+def nan_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.testing.assert_close(a.double(), b.double(), equal_nan=True, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_apd_kmeans_is_the_codes_shuffle_init_warm_start_and_100_iterations(seed: int) -> None:
+    """k_means_clustering against its transcription on 10 tasks' small tensors in 3 groups: the first round (k = 2 of 5)
+    from the shuffle, the second (k = 4 of 10) warm-started from the first's centroids."""
+    gen = torch.Generator().manual_seed(seed)
+    centres = torch.randn(3, 12, generator=gen)
+    points = centres[torch.randint(3, (10,), generator=gen)] + 0.3 * torch.randn(10, 12, generator=gen)
+    torch.manual_seed(seed)
+    labels, centroids = code_kmeans(points[:5], 2)
+    torch.manual_seed(seed)
+    ref_labels, ref_centroids = apd_ref.kmeans(list(points[:5]), 2, torch.randperm(5))
+    assert labels == ref_labels
+    nan_equal(centroids, ref_centroids)
+    torch.manual_seed(seed + 100)
+    labels, centroids = code_kmeans(points, 4, previous=ref_centroids.float())
+    torch.manual_seed(seed + 100)
+    ref_labels, ref_centroids = apd_ref.kmeans(list(points), 4, torch.randperm(10), prv_cent=ref_centroids)
+    assert labels == ref_labels
+    nan_equal(centroids, ref_centroids)
+
+
+def test_apd_kmeans_leaves_an_emptied_cluster_empty() -> None:
+    """A warm-start centroid far from every task's tensor wins no member: its mean is NaN and it stays empty, where
+    k-means++ would fill it."""
+    points = torch.tensor([[0.0, 0.0], [0.1, 0.0], [5.0, 5.0], [5.1, 5.0], [5.0, 5.1]])
+    previous = torch.tensor([[100.0, 100.0]])
+    torch.manual_seed(0)
+    labels, centroids = code_kmeans(points, 2, previous=previous)
+    torch.manual_seed(0)
+    ref_labels, ref_centroids = apd_ref.kmeans(list(points), 2, torch.randperm(5), prv_cent=previous)
+    assert labels == ref_labels and 0 not in labels
+    assert torch.isnan(centroids[0]).all()
+    nan_equal(centroids, ref_centroids)
+
+
+@pytest.mark.parametrize("kmeans", ["code", "sklearn"])
+def test_apd_consolidation_clusters_with_the_chosen_kmeans(kmeans: str) -> None:
+    """kmeans=code: each layer's round is the code's k-means of its tasks' full tau (the shuffles drawn layer by layer),
+    and its centroids are kept for the next round's warm start; kmeans=sklearn keeps none."""
+    method, rt = apd_started("data.num_tasks=5", f"method.kmeans={kmeans}", tasks=5)
+    with torch.no_grad():
+        full = {
+            name: torch.stack([la.taus[j] + la.shared(j) for j in range(5)]).flatten(1)
+            for name, la in method.layers.items()
+        }
+    torch.manual_seed(3)
+    method.after_task(rt.benchmark.tasks[4])
+    if kmeans == "sklearn":
+        assert all(len(layer.centroids) == 0 for layer in method.layers.values())
+        return
+    torch.manual_seed(3)
+    for name, layer in method.layers.items():
+        _, ref_centroids = apd_ref.kmeans(list(full[name]), 2, torch.randperm(5))
+        nan_equal(layer.centroids.flatten(1), ref_centroids)
+
+
+def test_apd_keeps_its_kmeans_centroids_with_the_run_for_the_next_rounds_warm_start() -> None:
+    """The centroids a round ends with travel in the artifacts (and checkpoints), so a resumed or re-evaluated run
+    warm-starts its next round from them."""
+    method, rt = apd_started("data.num_tasks=5", tasks=5)
+    method.after_task(rt.benchmark.tasks[4])
+    fresh, _ = build_runtime(tiny_config("method=apd", "data.num_tasks=5"))
+    fresh.load_artifacts(method.artifacts())
+    for name, layer in method.layers.items():
+        assert len(layer.centroids) == 2
+        nan_equal(fresh.layers[name].centroids, layer.centroids)
+
+
+@pytest.mark.parametrize("scale", [10.0, 1.0])
+def test_apd_scales_every_gradient_before_adam_as_the_code(scale: float) -> None:
+    """grad_scale=10 (the code's x10) multiplies every trained gradient; through Adam (epsilon 1e-8) a coordinate whose
+    gradient is 1e-9 then moves lr * 1e-8 / (1e-8 + 1e-8) = lr / 2 on its first step, not lr * 1e-9 / 1.1e-8 =
+    lr / 11."""
+    method, rt = apd_started(f"method.grad_scale={scale}", tasks=1)
+    task = rt.benchmark.tasks[0]
+    params = [p for g in method.param_groups(task, method.phases(task, 1)[0]) for p in g["params"]]
+    method.train()
+    loss, _ = method.training_loss(rt.train_tf(rt.benchmark.train[0].x[:4]), rt.benchmark.train[0].y[:4], task)
+    loss.backward()
+    grads = [p.grad.clone() for p in params]
+    method.after_backward(task)
+    for p, g in zip(params, apd_ref.code_gradients(grads) if scale == 10 else grads, strict=True):
+        torch.testing.assert_close(p.grad, g)
+    sigma = method.layers["blocks.0.mlp.fc1"].sigma
+    optimizer = torch.optim.Adam([sigma], lr=1e-3, eps=1e-8)
+    before = sigma.detach().clone()
+    sigma.grad = torch.full_like(sigma, 1e-9)
+    method._trained = [sigma]
+    method.after_backward(task)
+    optimizer.step()
+    step = 1e-3 * (1e-9 * scale) / (1e-9 * scale + 1e-8)
+    torch.testing.assert_close(before - sigma.detach(), torch.full_like(sigma, step), rtol=1e-4, atol=0)
+
+
+def test_apd_capacity_is_over_the_codes_base_one_network_and_every_head_but_the_newest() -> None:
+    """cifar100_apd_run.py's full_base after task idx: the decomposed weights plus idx head weight matrices
+    (500 n idx)."""
+    method, _ = apd_started("method.l1=0.04", tasks=2)
+    kept = sum(
+        int(la.sigma.count_nonzero())
+        + sum(int(m.count_nonzero()) + b.numel() for m, b in zip(la.masks, la.biases, strict=True))
+        + sum(int((t.abs() > 0.04).sum()) for t in la.taus)
+        for la in method.layers.values()
+    ) + sum(p.numel() for h in method.heads for p in h.parameters())
+    base = sum(la.sigma.numel() for la in method.layers.values()) + method.heads[0].weight.numel()  # idx = 1
+    assert method.current_capacity() == pytest.approx(apd_ref.capacity(kept, base))
+
+
+def test_apd_others_shared_trains_the_rest_of_the_backbone_and_results_say_so() -> None:
+    """others=shared (a ViT from scratch): the embeddings, cls token and LayerNorms train with every task, and storage
+    and results.json count them; others=frozen (the default) trains none of them."""
+    for others in ("frozen", "shared"):
+        method, rt = apd_started(f"method.others={others}", tasks=2)
+        task = rt.benchmark.tasks[1]
+        trained = {id(p) for g in method.param_groups(task, method.phases(task, 1)[0]) for p in g["params"]}
+        rest = [method.backbone.patch_embed.proj.weight, method.backbone.pos_embed, method.backbone.cls_token]
+        rest += list(method.backbone.blocks[0].norm1.parameters()) + list(method.backbone.norm.parameters())
+        assert all((id(p) in trained) == (others == "shared") for p in rest)
+        numel = sum(p.numel() for p in method.others)
+        assert numel >= sum(p.numel() for p in rest)
+        assert method.extra_results()["apd"]["others"] == others
+        assert method.storage()["shared_bits"].get("others") == (32 * numel if others == "shared" else None)
+
+
+@pytest.mark.parametrize(
+    ("override", "key"), [("method.layers=[attn.nope]", "layers"), ("method.mask_init=nan", "mask_init")]
+)
+def test_apd_refuses_a_layer_that_is_no_block_linear_and_a_non_finite_mask_init(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=f"method.{key}"):
+        tiny_config("method=apd", override)
+
+
 def test_apd_drift_of_an_earlier_task_falls_as_its_penalty_grows() -> None:
     """The retroactive penalty l_2 holds theta_0 to its reference while sigma trains on task 1."""
     drifts = []
@@ -309,8 +446,9 @@ def test_ctr_plugin_is_the_transcribed_one_at_eval_and_with_the_same_gumbel_draw
     s = method.config.s_max
     method.eval()
     with torch.no_grad():
-        for gate_key, gate in method.gates(task, s).items():
-            method.gated[gate_key].gate = gate
+        gates = method.gates(task, s)
+        for gate_key, layer in method.gated.items():  # the KS-layer's gates (ks_gate) gate no layer, as in the code
+            layer.gate = gates[gate_key]
         plugin.ksm.task = task
         torch.testing.assert_close(plugin(z), ctr_ref.plugin(z, task, p, s), rtol=1e-5, atol=1e-5)
         method.train()
@@ -334,7 +472,6 @@ def test_ctr_guards_the_tsm_with_the_transcribed_hat_masks_and_anneals_as_the_co
         layer = plugin.fc1 if name.startswith("fc1") else plugin.fc2
         param = layer.weight if name.endswith("_w") else layer.bias
         torch.testing.assert_close(guarded[id(param)].expand_as(param), expected[name])
-    assert [code_annealed_s(b * 32, 10 * 32, 400.0) for b in range(10)] == [ctr_ref.anneal(b, 10) for b in range(10)]
     gates = [g for g in method.gates(2, 3.0).values()]
     previous = [method.cumulative(k) for k in method.units]
     torch.testing.assert_close(capacity(gates, previous), ctr_ref.capacity_regulariser(gates, previous))
@@ -359,3 +496,77 @@ def test_ctr_trains_the_capsules_the_code_does_and_never_a_future_tasks(ksm: str
     loss.backward()
     assert all(p.grad is None for p in ksm_module.own(2))
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in ksm_module.own(1))
+
+
+def test_ctr_anneals_by_batch_index_as_its_code_not_by_hats_sample_index() -> None:
+    """PyContinual's s = (s_max - 1/s_max) step / len(loader) + 1/s_max: at the last of 32 batches of 1,000 samples
+    (batch 32) that is 399.9975 * 31 / 32 + 0.0025 = 387.5; HAT's sample-index 992 / 1000 would give 396.8."""
+    method = ctr_started(tasks=1)
+    task = method.tasks[0]
+    method.before_epoch(task, 1000, 32)
+    for batch in (0, 16, 31):
+        method.before_step(task, batch, 32)
+        assert float(method.s) == pytest.approx(ctr_ref.anneal(batch, 32), rel=1e-6)
+        assert ctr_annealed_s(batch, 32, 400.0) == pytest.approx(ctr_ref.anneal(batch, 32), rel=1e-12)
+    assert float(method.s) == pytest.approx(387.5, abs=1e-3)
+
+
+def ctr_reg(method: CTR, task: int) -> float:
+    method.train()
+    x = torch.randn(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    return float(method.training_loss(x, torch.tensor([0, 1, 0, 1]) + 2 * task, method.tasks[task])[1]["capacity_reg"])
+
+
+@pytest.mark.parametrize("ks_gate", [True, False])
+def test_ctr_ks_layer_gates_enter_the_regulariser_and_guard_the_ks_layer_as_the_code(ks_gate: bool) -> None:
+    """ks_gate=true: every plugin's elarger gate sigmoid(s e3) is one more term of the transcribed regulariser, and the
+    KS-layer's rows take 1 - its cumulative gate; false: only g1, g2 and no guard on the KS-layer."""
+    method = ctr_started(f"method.ks_gate={ks_gate}")
+    gen = torch.Generator().manual_seed(9)
+    for key in method.units:
+        method.cumulative(key).copy_(torch.rand(method.units[key], generator=gen))
+    method.s.fill_(3.0)
+    gates, previous = [], []
+    for i, plugin in enumerate(method.plugins):
+        key = f"blocks_{i // 2}_{('attn', 'mlp')[i % 2]}"
+        p = ctr_params(method, plugin, key)
+        gates += list(ctr_ref.hat_gates(p, 2, 3.0))
+        previous += [method.cumulative(f"{key}_fc1"), method.cumulative(f"{key}_fc2")]
+        if ks_gate:
+            gates.append(ctr_ref.ks_gate(torch.stack([e[f"{key}_ks"] for e in method.embeddings]), 2, 3.0))
+            previous.append(method.cumulative(f"{key}_ks"))
+            guard = {id(g.param): method.multiplier(g) for g in method.protected}
+            expected = ctr_ref.ks_grad_masks(method.cumulative(f"{key}_ks"), plugin.ksm.out.in_features)
+            torch.testing.assert_close(
+                guard[id(plugin.ksm.out.weight)].expand_as(plugin.ksm.out.weight), expected["larger_w"]
+            )
+            torch.testing.assert_close(guard[id(plugin.ksm.out.bias)], expected["larger_b"])
+        else:
+            assert id(plugin.ksm.out.weight) not in {id(g.param) for g in method.protected}
+    expected = float(ctr_ref.capacity_regulariser(gates, previous).detach())
+    assert ctr_reg(method, 2) == pytest.approx(expected, rel=1e-5)
+
+
+def test_ctr_closed_ks_layer_gates_scale_the_first_tasks_regulariser_by_r_plus_d_over_r_plus_2d() -> None:
+    """Task 0's R = sum(g) / #g: the KS-layer's gates, once closed (e = -6 at s_max), add d units to every plugin's
+    r + d and nothing to the sum."""
+    regs = {}
+    for ks_gate in (True, False):
+        method = ctr_started(f"method.ks_gate={ks_gate}", tasks=1)
+        with torch.no_grad():
+            for key, e in method.embeddings[0].items():
+                e.fill_(-6.0 if key.endswith("_ks") else 0.3)
+        method.s.fill_(400.0)
+        regs[ks_gate] = ctr_reg(method, 0)
+    r, d = method.config.adapter_size, method.backbone.embed_dim
+    assert regs[True] / regs[False] == pytest.approx((r + d) / (r + 2 * d), rel=1e-6)
+
+
+def test_ctr_ksm_lr_null_trains_the_ksm_at_the_trainer_lr() -> None:
+    """The documented null: the KSM's group takes no lr of its own."""
+    method = ctr_started("method.ksm_lr=null", tasks=1)
+    task = method.tasks[0]
+    groups = method.param_groups(task, method.phases(task, 1)[0])
+    ksm = {id(p) for p in method.knowledge_parameters(0)}
+    (group,) = [g for g in groups if {id(p) for p in g["params"]} == ksm]
+    assert "lr" not in group

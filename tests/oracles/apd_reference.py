@@ -17,6 +17,8 @@ shape [out] / [c_out] broadcast over the last (output) axis (cifar100_apd.py:31,
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -145,6 +147,50 @@ def consolidate(full_taus, labels, e_gap):
     return shared, new_taus
 
 
+def kmeans(full_aws, k, shuffle, prv_cent=None, steps=100):
+    """One layer's k-means, cifar100_apd.py ``k_means_clustering`` (349-409), on the flattened tensors ``full_aws``
+    (a list of n 1-D tensors, the code's ``full_aw``).
+
+    * init (378-389): ``rs_aws = tf.random_shuffle(full_aw)`` (the order given here as ``shuffle``, a permutation of
+      0..n-1), centroids = its first k rows; with ``prv_cent`` (the previous round's centroids of this layer, k' rows,
+      cifar100_apd_run.py:122-123 passes ``cent_list``) rows 0..k'-1 are replaced by them (``slc[:n_prv_cents] =
+      prv_cent[-1][i]``).
+    * 100 ``sess.run([update_centroides, centroides, assignments])`` (399-401): ``assignments`` = argmin over centroids of
+      the squared distance (392-395), ``means`` = tf.reduce_mean of each cluster's members (396), assigned to the
+      centroids. A cluster with no member gets reduce_mean of an empty set, NaN; tf.argmin then never picks it (a NaN
+      distance is never smaller than the running minimum), so it stays empty for good.
+    * returned: the last run's ``assignment_values`` (the assignment the last update used) and the centroids after that
+      update (the next round's ``prv_cent``).
+    """
+    points = [a.double() for a in full_aws]
+    cents = [points[int(i)].clone() for i in shuffle[:k]]
+    if prv_cent is not None:
+        for c in range(len(prv_cent)):
+            cents[c] = prv_cent[c].double().clone()
+    assignment = []
+    for _ in range(steps):
+        assignment = []
+        for x in points:
+            best, best_d = 0, None
+            for c, cent in enumerate(cents):
+                d = float(((x - cent) ** 2).sum())
+                if not math.isnan(d) and (best_d is None or d < best_d):
+                    best, best_d = c, d
+            assignment.append(best)
+        new = []
+        for c in range(k):
+            members = [x for x, a in zip(points, assignment, strict=True) if a == c]
+            new.append(sum(members) / len(members) if members else torch.full_like(points[0], float("nan")))
+        cents = new
+    return assignment, torch.stack(cents)
+
+
+def code_gradients(grads):
+    """cifar100_apd.py ``optimization`` (515-522): every gradient of the trained variables is multiplied by 10 before
+    ``AdamOptimizer.apply_gradients``."""
+    return [g * 10.0 for g in grads]
+
+
 def capacity(nonzero_counts, base):
     """The code's "Updated Memory Requirements" = active_m_sum / full_base (cifar100_apd_run.py:129-141, 203).
 
@@ -235,4 +281,9 @@ if __name__ == "__main__":
         assert float(rec[0, 0]) == float(full[j][0, 0]) and float(sh_c[0][0, 0]) == 0.0
         assert int((new[j] != 0).sum()) == 1
     assert torch.equal(new[3], full[3])
+    # kmeans: the shuffle's first k are the centroids; a far warm-start centroid stays empty (NaN) for good.
+    pts = [torch.tensor([0.0, 0.0]), torch.tensor([0.1, 0.0]), torch.tensor([5.0, 5.0])]
+    assert kmeans(pts, 2, torch.tensor([0, 2, 1]))[0] == [0, 0, 1]
+    lab, cen = kmeans(pts, 2, torch.tensor([0, 2, 1]), prv_cent=torch.tensor([[99.0, 99.0]]))
+    assert lab == [1, 1, 1] and bool(cen[0].isnan().all())
     print("apd_reference self-check OK")

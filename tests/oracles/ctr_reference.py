@@ -184,6 +184,21 @@ def grad_masks(g1_prev: torch.Tensor, g2_prev: torch.Tensor) -> dict:
     }
 
 
+def ks_gate(e3: torch.Tensor, t: int, s: float) -> torch.Tensor:
+    """The KS-layer's gate, CapsuleLayerImp.mask (adapters.py:389-391): sigmoid(s * elarger[t]) (d,). Net.mask (84-108)
+    returns it with g1, g2 under the key ``...tsv_capsules.larger``, so it enters the capacity regulariser
+    (hat_criterion_adapter iterates over every mask) and the cumulative max; with larger_as_share the forward
+    (adapters.py:328-331) never multiplies by it. Its embedding's name contains ``tsv_capsules.e``, so it is compensated
+    and clamped (Appr.train_epoch 141, 156)."""
+    return torch.sigmoid(s * e3[t])
+
+
+def ks_grad_masks(g3_prev: torch.Tensor, inputs: int) -> dict:
+    """Net.get_view_for (133-150) for ``tsv_capsules.larger``: the KS-layer's weight (d, inputs) rows and its bias are
+    multiplied by 1 - g3_prev, the cumulative KS-layer gate of earlier tasks."""
+    return {"larger_w": 1 - g3_prev.view(-1, 1).expand(-1, inputs), "larger_b": 1 - g3_prev.view(-1)}
+
+
 def compensation(
     grad_e: torch.Tensor, e: torch.Tensor, s: float, s_max: float = S_MAX, clamp: float = THRES_COSH
 ) -> torch.Tensor:

@@ -15,12 +15,21 @@ l_1) with H(x, c) = x 1[|x| > c] (``build_model_test``). Every ``every`` tasks t
 per layer (k-means, k = k_centroids * tasks / every) and each cluster's near-equal entries (max - min <= e_gap)
 become its tau~_g = (max + min) / 2, frozen, so each theta_j moves by at most e_gap / 2.
 
+Consolidation's k-means (``kmeans=code``) is the code's: centroids from a random shuffle of the tasks' tensors (the
+previous round's centroids first, warm-started), exactly 100 Lloyd iterations, and an emptied cluster stays empty (its
+mean is NaN, never nearest); ``kmeans=sklearn`` is scikit-learn's k-means++ with one init. As in the code, every
+gradient is multiplied by ``grad_scale`` = 10 before the optimizer (with Adam it changes only the coordinates whose
+|g| is near epsilon).
+
 ViT adaptation (design choices): the Linears of every block (``layers``: qkv, proj, fc1, fc2) are decomposed, with
-sigma the pretrained weight; LayerNorms, embeddings and the patch embedding stay frozen. ``init=keep`` (clbench's
-default) starts every task at the current shared function: M_t = ``mask_init`` (sigmoid = 0.9975), tau_t = 0, b_t =
-the pretrained bias; ``init=code`` is the code's: M_t, b_t ~ variance scaling, tau_t = sigma (theta = 1.5 sigma, which
-breaks a pretrained ViT). Dropped from the code: the gradients' x10 before Adam (an epsilon-only change) and the
-best-of-the-last-5-epochs model selection on validation (clbench trains every task to its last epoch).
+sigma the backbone's weight. The rest of the backbone (patch and position embeddings, class token, every LayerNorm),
+which the code's CNN does not have, is frozen (``others=frozen``, for a pretrained ViT) or trained as shared
+parameters by every task (``others=shared``, for a ViT trained from scratch, as the code trains all its layers), with
+no APD term: old tasks are not held against their changes. ``init=keep`` (clbench's default) starts every task at the
+current shared function: M_t = ``mask_init`` (sigmoid = 0.9975), tau_t = 0, b_t = the pretrained bias; ``init=code``
+is the code's: M_t, b_t ~ variance scaling, tau_t = sigma (theta = 1.5 sigma, which breaks a pretrained ViT). Dropped
+from the code: the best-of-the-last-5-epochs model selection on validation (clbench trains every task to its last
+epoch).
 """
 
 from __future__ import annotations
@@ -53,16 +62,29 @@ class APDConfig:
     mask_init: float = 6.0  # init=keep: M_t's value (sigmoid 0.9975) [clbench]
     old_masks: str = "train"  # train: earlier M_j follow the drift penalty, as the code | freeze: they stay as learned
     layers: list[str] = field(default_factory=lambda: list(DEFAULT_TARGETS))
+    kmeans: str = "code"  # code: shuffle init, warm start, 100 iterations, empty clusters kept [code] | sklearn
+    grad_scale: float = 10.0  # every gradient's factor before the optimizer [code: x10] | 1: none
+    others: str = "frozen"  # the backbone outside ``layers``: frozen [clbench] | shared: trained by every task
 
     def __post_init__(self) -> None:
         for key in ("l1", "drift", "wd", "mask_l1", "e_gap"):
             value = getattr(self, key)
             require(math.isfinite(value) and value >= 0, f"method.{key}", value, "a float >= 0")
+        require(math.isfinite(self.mask_init), "method.mask_init", self.mask_init, "a finite float")
+        require(
+            math.isfinite(self.grad_scale) and self.grad_scale > 0,
+            "method.grad_scale",
+            self.grad_scale,
+            "a finite float > 0",
+        )
         require(self.every >= 1, "method.every", self.every, "an integer >= 1")
         require(self.k_centroids >= 1, "method.k_centroids", self.k_centroids, "an integer >= 1")
         require_choice("method.init", self.init, ("keep", "code"))
         require_choice("method.old_masks", self.old_masks, ("train", "freeze"))
-        require(bool(self.layers), "method.layers", self.layers, f"a non-empty subset of {list(DEFAULT_TARGETS)}")
+        require_choice("method.kmeans", self.kmeans, ("code", "sklearn"))
+        require_choice("method.others", self.others, ("frozen", "shared"))
+        subset = bool(self.layers) and set(self.layers) <= set(DEFAULT_TARGETS)
+        require(subset, "method.layers", self.layers, f"a non-empty subset of {list(DEFAULT_TARGETS)}")
 
 
 def l2(x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +118,25 @@ def consolidate(
     return shared, taus
 
 
+def code_kmeans(
+    points: torch.Tensor, k: int, previous: torch.Tensor | None = None, iterations: int = 100
+) -> tuple[list[int], torch.Tensor]:
+    """``k_means_clustering``'s k-means of ``points`` (n, D): the first k rows of a random shuffle as centroids, the
+    previous round's ``previous`` (k', D) in the first k' places; ``iterations`` Lloyd steps, each assigning every point
+    to its nearest centroid (the first on a tie) then moving each centroid to its members' mean. A cluster left empty
+    gets a NaN mean and is never nearest again. Returns (the last step's assignment, the final centroids)."""
+    centroids = points[torch.randperm(len(points))[:k].to(points.device)].clone()
+    if previous is not None:
+        centroids[: len(previous)] = previous
+    labels = points.new_zeros(len(points), dtype=torch.long)
+    for _ in range(iterations):
+        dist = torch.stack([(points - c).square().sum(1) for c in centroids])  # (k, n), no cdist rounding
+        labels = dist.nan_to_num(nan=math.inf).argmin(0)
+        sums = points.new_zeros(k, points.shape[1]).index_add_(0, labels, points)
+        centroids = sums / torch.bincount(labels, minlength=k).to(points.dtype)[:, None]  # empty: 0 / 0 = NaN
+    return labels.tolist(), centroids
+
+
 class APDLinear(nn.Module):
     """A Linear decomposed per task: theta_t = sigma * sigmoid(M_t) + tau_t (+ tau~ of t's cluster), bias b_t.
     ``task`` picks the task; in eval mode tau and tau~ are thresholded at ``threshold`` and sigmoid(M) at
@@ -111,6 +152,7 @@ class APDLinear(nn.Module):
         # never asks the host which case it is
         self.register_buffer("tilde", linear.weight.new_zeros(1, *linear.weight.shape))
         self.register_buffer("cluster", torch.zeros(0, dtype=torch.long))  # each task's row of tilde
+        self.register_buffer("centroids", linear.weight.new_zeros(0, *linear.weight.shape))  # kmeans=code's last
         self.threshold, self.mask_threshold = threshold, mask_threshold
         self.task: int | None = None
 
@@ -157,15 +199,24 @@ class APD(Method):
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
         self.backbone.requires_grad_(False)
-        targets = tuple(self.config.layers)
         self.layers: dict[str, APDLinear] = {}
-        for name, module in list(self.backbone.named_modules()):
-            if isinstance(module, nn.Linear) and name.startswith("blocks.") and name.endswith(targets):
-                layer = APDLinear(module, self.config.l1, self.config.mask_l1)
+        for target in self.config.layers:
+            found = [
+                name
+                for name, module in self.backbone.named_modules()
+                if isinstance(module, nn.Linear) and name.startswith("blocks.") and name.endswith(target)
+            ]
+            require(bool(found), "method.layers", target, "names of Linears in the backbone's blocks")
+            for name in found:
+                layer = APDLinear(self.backbone.get_submodule(name), self.config.l1, self.config.mask_l1)
                 parent, _, child = name.rpartition(".")
                 setattr(self.backbone.get_submodule(parent), child, layer)
                 self.layers[name] = layer
+        decomposed = {id(p) for layer in self.layers.values() for p in layer.parameters()}
+        # others=shared: the rest of the backbone, trained by every task as the code trains every layer
+        self.others = [p for p in self.backbone.parameters() if id(p) not in decomposed]
         self.register_buffer("capacity", torch.zeros(0))  # after each task (code: ``run.py`` "capacity")
+        self._trained: list[nn.Parameter] = []
 
     # ----------------------------------------------------------------------------- forward
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
@@ -194,8 +245,9 @@ class APD(Method):
                 self.register_buffer(f"ref_{i}", torch.stack(refs) if refs else layer.tilde.new_zeros(0))
 
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        """sigma, the task's M, tau, bias and head, and every earlier tau (and M, ``old_masks=train``): the drift
-        penalty's handles. APD's own l2 terms replace the optimizer's weight decay."""
+        """sigma, the task's M, tau, bias and head, every earlier tau (and M, ``old_masks=train``): the drift
+        penalty's handles; with ``others=shared`` the rest of the backbone. APD's own l2 terms replace the optimizer's
+        weight decay."""
         self.requires_grad_(False)
         t = task.id
         params = [*self.heads[t].parameters()]
@@ -203,8 +255,11 @@ class APD(Method):
             params += [layer.sigma, layer.masks[t], layer.biases[t], *layer.taus[: t + 1]]
             if self.config.old_masks == "train":
                 params += list(layer.masks[:t])
+        if self.config.others == "shared":
+            params += self.others
         for p in params:
             p.requires_grad_(True)
+        self._trained = params
         return [{"params": params, "weight_decay": 0.0}]
 
     def regulariser(self, task_id: int) -> torch.Tensor:
@@ -226,6 +281,12 @@ class APD(Method):
         return self.task_loss(self.task_logits(x, task.id), y, task) + regulariser, {"apd_reg": regulariser.detach()}
 
     @torch.no_grad()
+    def after_backward(self, task: Task) -> None:
+        """The code's ``grad * 10.`` on every gradient before Adam (``optimization``)."""
+        if self.config.grad_scale != 1:
+            torch._foreach_mul_([p.grad for p in self._trained if p.grad is not None], self.config.grad_scale)
+
+    @torch.no_grad()
     def after_task(self, task: Task) -> None:
         tasks = task.id + 1
         if tasks % self.config.every == 0:
@@ -238,9 +299,15 @@ class APD(Method):
         (100 Lloyd iterations) on every task's full tau, k = k_centroids * tasks / every."""
         full = [layer.taus[j] + layer.shared(j) for j in range(tasks)]
         k = min(tasks, self.config.k_centroids * tasks // self.config.every)
-        points = torch.stack(full).flatten(1).float().cpu().numpy()
-        seed = int(torch.randint(2**31 - 1, ()))
-        labels = KMeans(n_clusters=k, n_init=1, max_iter=100, random_state=seed).fit_predict(points).tolist()
+        points = torch.stack(full).flatten(1).float()
+        if self.config.kmeans == "code":
+            previous = layer.centroids.flatten(1).float() if len(layer.centroids) else None
+            labels, centroids = code_kmeans(points, k, previous)
+            layer.centroids = centroids.view(k, *full[0].shape).to(full[0].dtype)
+        else:
+            seed = int(torch.randint(2**31 - 1, ()))
+            fit = KMeans(n_clusters=k, n_init=1, max_iter=100, random_state=seed)
+            labels = fit.fit_predict(points.cpu().numpy()).tolist()
         shared, taus = consolidate(full, labels, self.config.e_gap)
         zeros = torch.zeros_like(full[0])
         layer.tilde = torch.stack([*(shared.get(g, zeros) for g in range(k)), zeros])
@@ -251,8 +318,10 @@ class APD(Method):
     # ----------------------------------------------------------------------------- bookkeeping
     def current_capacity(self) -> float:
         """The code's "capacity": non-zero parameters a deployed model keeps (sigma, every mask, thresholded tau and
-        tau~, every bias and head) over one network's decomposed weights plus the heads' weights. The code counts
-        only the newest task's bias and head; clbench counts all it keeps."""
+        tau~, every bias and head, and with ``others=shared`` the rest of the backbone, trainable variables the code
+        would count) over its ``full_base``: one network's decomposed weights plus the weights of every head but the
+        newest (the code's 500 n idx after task idx). The code counts only the newest task's bias and head; clbench
+        counts all it keeps."""
         kept = base = 0
         for layer in self.layers.values():
             test = [hard_threshold(tau, layer.threshold) for tau in layer.taus]
@@ -260,12 +329,15 @@ class APD(Method):
             kept += sum(int(t.count_nonzero()) for t in test) + sum(b.numel() for b in layer.biases)
             kept += int(hard_threshold(layer.tilde, layer.threshold).count_nonzero())
             base += layer.sigma.numel()
-        heads = sum(p.numel() for h in self.heads for p in h.parameters())
-        return (kept + heads) / (base + sum(h.weight.numel() for h in self.heads))
+        kept += sum(p.numel() for h in self.heads for p in h.parameters())
+        if self.config.others == "shared":
+            kept += sum(int(p.count_nonzero()) for p in self.others)
+        return kept / (base + sum(h.weight.numel() for h in self.heads[:-1]))
 
     def storage(self) -> dict[str, Any]:
         """Per task: its mask and bias (32 bits an output unit) and the values of its thresholded tau (32 bits a
-        non-zero; a sparse format adds their indices); shared: sigma and the clusters' tau~."""
+        non-zero; a sparse format adds their indices); shared: sigma, the clusters' tau~ and, ``others=shared``, the
+        rest of the backbone."""
         out = super().storage()
         for t, entry in enumerate(out["bits_per_task"]):
             entry["masks"] = 32 * sum(layer.masks[t].numel() for layer in self.layers.values())
@@ -278,10 +350,14 @@ class APD(Method):
             "sigma": 32 * sum(layer.sigma.numel() for layer in layers),
             "tau_shared": 32 * sum(int(hard_threshold(la.tilde, la.threshold).count_nonzero()) for la in layers),
         }
+        if self.config.others == "shared":  # trained by every task: part of what the method keeps
+            out["shared_bits"]["others"] = 32 * sum(p.numel() for p in self.others)
         return out
 
     def extra_results(self) -> dict[str, Any]:
-        return {"apd": {"capacity": self.capacity.tolist()}}
+        """The capacity after each task, and what trained the backbone outside the decomposed Linears."""
+        others = sum(p.numel() for p in self.others)
+        return {"apd": {"capacity": self.capacity.tolist(), "others": self.config.others, "others_params": others}}
 
     @torch.no_grad()
     def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -289,4 +365,5 @@ class APD(Method):
             self.grow()
         for name, layer in self.layers.items():
             layer.tilde = torch.empty_like(tensors[f"backbone.{name}.tilde"], device=layer.sigma.device)
+            layer.centroids = torch.empty_like(tensors[f"backbone.{name}.centroids"], device=layer.sigma.device)
         super().load_artifacts(tensors)

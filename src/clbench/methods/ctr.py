@@ -11,12 +11,20 @@ kernels 3, 4, 5, conditioned on the current task's capsules) gives each task i a
 gate delta_i (Gumbel-softmax in training, argmax at eval: the code also samples noise at eval, which makes its
 predictions random); v = sum_{i<=t} a_i delta_i u_i, and a shared KS-layer (Linear 9 -> d) adds it to z.
 
-Training reuses clbench's HAT (``methods/hat.py``): s annealed per batch to s_max = 400, the embeddings' gradient
-compensation and clamp, the capacity regulariser c R over every gate, and the gates' protection of fc1 (rows by
-g1), fc2 (entry (i, j) by min(g2_i, g1_j)) and their biases. ``ksm=shared`` is the code's: every task updates the
-capsules of all tasks <= t, the routing, the similarity estimator and the KS-layer, so CTR forgets a little for the
-sake of transfer; ``ksm=frozen`` (METHODS.md's ablation) trains only the task's own capsule and routing, and the
-estimator and KS-layer with the first task only, for near-zero forgetting.
+Training reuses clbench's HAT (``methods/hat.py``): s annealed per batch (``anneal=code``: CTR's own
+(s_max - 1/s_max) b / B + 1/s_max for batch b = 0..B-1 of the epoch's B), the embeddings' gradient compensation and
+clamp, the capacity regulariser c R over every gate, and the gates' protection of fc1 (rows by g1), fc2 (entry (i, j)
+by min(g2_i, g1_j)) and their biases. ``ks_gate=true`` is the code's ``elarger``: a third HAT gate per plugin, over
+the KS-layer's d outputs, that multiplies nothing in the forward (``larger_as_share``) but enters R (its units count
+in R's denominator: c is in effect (r + d) / (r + 2d) of its value once the gates close, 0.57 at ViT-Ti with r = 64,
+0.78 at the code's BERT size), is compensated and clamped, and guards the KS-layer's rows; ``false`` leaves it out.
+``ksm=shared`` is the code's: every task updates the capsules of all tasks <= t, the routing, the similarity estimator
+and the KS-layer, so CTR forgets a little for the sake of transfer; ``ksm=frozen`` (METHODS.md's ablation) trains only
+the task's own capsule and routing, and the estimator and KS-layer with the first task only, for near-zero forgetting.
+
+The code's recipe is not clbench's (conf/method/ctr.yaml): BertAdam (no bias correction, each parameter's gradient
+clipped to norm 1, epsilon 1e-6, decoupled weight decay 0.01), lr 5e-5 with 10% linear warm-up then linear decay over
+each task, and the weights of the epoch with the best validation loss kept per task.
 
 ViT adaptation (design choices): plugins on timm's pre-norm blocks (P1 after ``attn``, P2 after ``mlp``), the whole
 ViT frozen, LayerNorms included (the code trains BERT's LayerNorms in every task, which forgets); ``adapter_size``
@@ -55,6 +63,7 @@ class CTRConfig:
     channels: int = 100  # the similarity estimator's Conv1d channels a kernel size [code]
     ksm: str = "shared"  # shared: the code's (capsules, routing, estimator updated by later tasks) | frozen
     ksm_lr: float | None = 5e-5  # the KSM's learning rate [code: its one lr]; null: trainer.lr
+    ks_gate: bool = True  # the code's elarger gates: in R, guarding the KS-layer, gating nothing [code] | false
 
     def __post_init__(self) -> None:
         require(self.s_max >= 1, "method.s_max", self.s_max, "a float >= 1")
@@ -66,6 +75,12 @@ class CTRConfig:
         require(self.channels >= 1, "method.channels", self.channels, "an integer >= 1")
         require_choice("method.ksm", self.ksm, ("shared", "frozen"))
         require(self.ksm_lr is None or self.ksm_lr > 0, "method.ksm_lr", self.ksm_lr, "null or a float > 0")
+
+
+def ctr_annealed_s(batch: int, num_batches: int, s_max: float) -> float:
+    """CTR's s for batch ``batch`` (0-based) of an epoch's ``num_batches`` (PyContinual ``train_epoch``:
+    (s_max - 1/s_max) step / len(data) + 1/s_max): by batch index, whatever the last batch's size."""
+    return (s_max - 1 / s_max) * batch / num_batches + 1 / s_max
 
 
 def squash(v: torch.Tensor) -> torch.Tensor:
@@ -180,6 +195,13 @@ class CTR(HAT):
                 Protected(plugin.fc2.weight, g2, 0, rows2, other=g1, other_index=rows1),
                 Protected(plugin.fc2.bias, g2, 0, rows2),
             ]
+            if self.config.ks_gate:  # the code's elarger: a gate with no layer, over the KS-layer's rows
+                ks = f"{prefix}_{name}_ks"
+                self.units[ks] = dim
+                self.protected += [
+                    Protected(plugin.ksm.out.weight, ks, 0, rows2),
+                    Protected(plugin.ksm.out.bias, ks, 0, rows2),
+                ]
 
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         for plugin in self.plugins:
@@ -189,6 +211,12 @@ class CTR(HAT):
         finally:
             for plugin in self.plugins:
                 plugin.ksm.task = None
+
+    def before_step(self, task: Task, batch: int, num_batches: int) -> None:
+        if self.config.anneal == "code":
+            self.s.fill_(ctr_annealed_s(batch, num_batches, self.config.s_max))
+        else:
+            super().before_step(task, batch, num_batches)
 
     def knowledge_parameters(self, task_id: int) -> list[nn.Parameter]:
         """What task ``task_id`` trains of the KSMs: ``shared``, every capsule and routing of tasks <= t with the
@@ -212,7 +240,8 @@ class CTR(HAT):
             {"params": list(self.heads[t].parameters())},
             {"params": list(self.embeddings[t].values()), "weight_decay": 0.0},
             {"params": adapters},
-            {"params": self.knowledge_parameters(t)} | ({"lr": self.config.ksm_lr} if self.config.ksm_lr else {}),
+            {"params": self.knowledge_parameters(t)}
+            | ({"lr": self.config.ksm_lr} if self.config.ksm_lr is not None else {}),
         ]
         for group in groups:
             for p in group["params"]:

@@ -197,8 +197,9 @@ class HAT(Method):
         if task_id is None:
             raise ValueError("HAT needs a task id to pick its gates")
         s = self.s if self.training and task_id == self.num_seen - 1 else self.config.s_max
-        for key, gate in self.gates(task_id, s).items():
-            self.gated[key].gate = gate
+        gates = self.gates(task_id, s)
+        for key, layer in self.gated.items():  # units without a layer (CTR's KS-layer gates) gate nothing
+            layer.gate = gates[key]
         try:
             return super().features(x, task_id)
         finally:
