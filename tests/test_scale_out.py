@@ -77,23 +77,17 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
     assert "setup plugin" not in out.stdout + out.stderr  # Optuna's alembic plugins say nothing to a user
 
 
+# LwF's old heads start each task at the teacher's own outputs (TINY's data has no augmentation), so the
+# distillation's gradient on them is zero up to rounding, and rounding differs between one process and two ranks
+# (the same sums in another order). Adam divides a gradient by its own magnitude: it turns that rounding into
+# lr-sized steps (measured: heads 1.5e-3 apart under AdamW, 7e-9 under SGD). The check of the reduction itself runs
+# LwF under SGD; under Adam the runs are as alike as the method's arithmetic lets them be.
+EXACT_UNDER = {"lwf": ("trainer.optimizer=sgd",)}
+
+
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all
     "method",
-    [
-        "finetune",
-        *(
-            pytest.param(m, marks=pytest.mark.slow)
-            for m in ("meat", "dualprompt", "coda_prompt", *BASELINES)
-            if m != "lwf"
-        ),
-        pytest.param(  # an open finding, kept visible: with lam=0, or at task 0, the two runs agree to 1e-6
-            "lwf",
-            marks=[
-                pytest.mark.slow,
-                pytest.mark.xfail(strict=True, reason="LwF's distillation drifts its heads by up to 3e-4 under DDP"),
-            ],
-        ),
-    ],
+    ["finetune", *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt", *BASELINES))],
 )
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too
@@ -101,6 +95,7 @@ def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_pat
         *TINY,
         *tiny_fit(f"method={method}"),
         f"method={method}",
+        *EXACT_UNDER.get(method, ()),
         "trainer.batch_size=33",
         "logger.mode=offline",
     )
