@@ -128,6 +128,14 @@ class DataConfig:
             require(
                 ok, f"data.{key}", value, "an integer in [0, 2**32)" + (" or null" if key == "class_order_seed" else "")
             )
+        if self.tasks_by == "pixel_permutations":  # task t's permutation is drawn by RandomState(permutation_seed + t)
+            last = 2**32 - (self.num_tasks or self.tasks)
+            require(
+                self.permutation_seed <= last,
+                "data.permutation_seed",
+                self.permutation_seed,
+                f"an integer in [0, {last}] (task t's permutation is seeded permutation_seed + t, below 2**32)",
+            )
         require(self.decode_workers >= 1, "data.decode_workers", self.decode_workers, "an integer >= 1")
         require_choice("data.store", self.store, ("device", "stream", "auto"))
         require(self.stream_workers >= 0, "data.stream_workers", self.stream_workers, "an integer >= 0")
