@@ -165,6 +165,25 @@ main()
         interrupted(signal.SIGINT, None)
 
 
+def test_a_stop_signal_while_the_method_is_imported_is_an_interruption_not_a_bad_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hydra wraps what an import raises in an ImportError: the CLI's Interrupted was reported as "`method._target_`
+    ... cannot be imported", blaming the config."""
+    from clbench.cli import interrupted
+    from clbench.config import validate
+    from conftest import compose_config
+
+    (tmp_path / "clbench_slow_method.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        with pytest.raises(Interrupted, match=r"^Interrupted: stopped by SIGINT outside training"):
+            validate(compose_config("method._target_=clbench_slow_method.Method"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def test_clbench_eval_refuses_a_corrupt_results_json_and_names_a_stage_mismatch(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0

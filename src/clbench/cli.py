@@ -132,8 +132,8 @@ def share_cores(launcher: DictConfig) -> None:
 
 def interrupted(signum: int, _frame: object) -> None:
     raise Interrupted(
-        f"stopped by {signal.Signals(signum).name} outside training (while starting up or finishing), so no "
-        "checkpoint was due; run the same command again with resume=auto to continue where the folder has one."
+        f"Interrupted: stopped by {signal.Signals(signum).name} outside training (while starting up or finishing), "
+        "so no checkpoint was due; run the same command again with resume=auto to continue where the folder has one."
     )
 
 

@@ -413,9 +413,12 @@ def validate(cfg: DictConfig) -> RunConfig:
     target = str(method_node._target_)
     try:
         method_cls = get_class(target)
-    except ClbenchError:  # a stop signal while importing (clbench.cli's handler): not the target's fault
-        raise
     except Exception as err:
+        stop = err  # a stop signal while importing (clbench.cli's handler), which Hydra wraps in an ImportError
+        while stop is not None and not isinstance(stop, ClbenchError):
+            stop = stop.__cause__ or stop.__context__
+        if stop is not None:
+            raise stop from None
         raise ConfigError(f"`method._target_`={target!r} cannot be imported: {err}") from None
     params = OmegaConf.masked_copy(method_node, [k for k in method_node if k != "_target_"])
     method = _typed(method_cls.Config, params, "method")
