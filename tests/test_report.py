@@ -189,6 +189,22 @@ def test_each_row_is_labelled_by_every_key_it_differs_in_and_latex_escapes_it(
     assert r"loss\_scope=all, epochs=5" in tex and r"\toprule" in tex and r"TIL BWT" in tex
 
 
+def test_reconstructed_methods_are_marked_in_every_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """KSM and TFM are reconstructions (results.json `reconstructed: true`); the report said so nowhere."""
+    from clbench.report import curve_label, table_rows
+
+    write_run(tmp_path / "sweep" / "0", reconstructed=False)
+    write_run(tmp_path / "sweep" / "1", method="ksm", reconstructed=True, changes={"method._target_": "k.KSM"})
+    text, rows = report(tmp_path, capsys)
+    assert [(r["method"], r["reconstructed"]) for r in rows] == [("finetune", "False"), ("ksm", "True")]
+    assert [r["method"] for r in markdown_rows(text)] == ["finetune", "ksm †"]
+    assert "† reconstructed method (results.json `reconstructed: true`)" in text
+    tex = (tmp_path / "report.tex").read_text()
+    assert r"ksm $^\dagger$ &" in tex and r"finetune &" in tex and r"{\footnotesize $^\dagger$ reconstructed" in tex
+    table = table_rows([json.loads((tmp_path / "sweep" / f"{i}" / "results.json").read_text()) for i in (0, 1)])
+    assert [curve_label(r, table) for r in table] == ["finetune", "ksm (reconstructed)"]
+
+
 def test_nothing_to_report_exits_2_and_help_explains_the_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
