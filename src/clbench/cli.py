@@ -48,6 +48,7 @@ class RunFolderGuard(Callback):
         if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks write nothing
             return
         folder = Path(str(config.hydra.run.dir))
+        RunFolderGuard.before, RunFolderGuard.folder = {}, None  # this job's folder only
         try:
             validate(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
             if config.get("resume") is True and not (folder / "checkpoint.pt").is_file():
