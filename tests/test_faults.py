@@ -85,13 +85,30 @@ def test_a_refused_run_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
     out = clbench(*TINY_RUN, "seed=5", "trainer.lr=0.01", "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     refused(out, "seed: checkpoint 0, now 5", "trainer.lr: checkpoint 0.001, now 0.01")
     assert snapshot(run_dir) == before  # .hydra files, clbench.log, the PID file, results.json, checkpoint
-    out = clbench(*TINY_RUN, "method=tfm", "method.growth=0", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    refused(out, "`method.growth`: 0.0")
-    assert snapshot(run_dir) == before
     # TINY's Linears take 32 (qkv, proj, fc1) and 4 x 32 = 128 (fc2) inputs: a group must divide both
     out = clbench(*TINY_RUN, "method=ksm", "method.group=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     refused(out, "`method.group`: 3", "(32, 128): 1, 2, 4, 8, 16, 32.")
     assert snapshot(run_dir) == before
+
+
+def test_a_bad_value_is_refused_before_hydra_writes_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run-folder guard (Hydra's on_run_start, before the .hydra files and the log) validates the config: a bad
+    value in a finished run's folder left it with another run's .hydra files and log, refused by `clbench-eval`."""
+    from hydra import compose, initialize_config_dir
+
+    from clbench.cli import RunFolderGuard
+    from clbench.config import config_dir
+
+    run_dir = tmp_path / "run"
+    overrides = [*TINY_RUN, "method=tfm", "method.growth=0", f"hydra.run.dir={run_dir}"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+    with pytest.raises(SystemExit) as exit_:
+        RunFolderGuard().on_run_start(config)
+    assert exit_.value.code == 2 and "`method.growth`: 0.0" in capsys.readouterr().err
+    assert not run_dir.exists()
 
 
 def test_resume_on_a_missing_folder_is_refused_without_creating_it(tmp_path: Path) -> None:
