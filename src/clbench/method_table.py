@@ -56,7 +56,8 @@ def measure(method: str, overrides: tuple[str, ...], folder: Path) -> dict[str, 
         run = {}
     status = run.get("status")
     if done.returncode != 0 or status != "finished":
-        said = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        lines = [line for line in done.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+        said = lines[-1].strip() if lines else f"exit code {done.returncode}, no output"
         error = said if done.returncode != 0 else f"the run ended {status or 'without results.json'}"
         return {"method": method, "error": error, "interrupted": status == "interrupted" or done.returncode < 0}
     metrics = run["metrics"]
@@ -65,12 +66,9 @@ def measure(method: str, overrides: tuple[str, ...], folder: Path) -> dict[str, 
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (one decimal; seconds whole)."""
+    """The measured rows as a Markdown table (one decimal; seconds whole)."""
     lines = ["| method | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['method']} | failed: {row['error']} |" + " |" * (len(COLUMNS) - 1))
-            continue
         *accuracy, seconds = row["values"]
         cells = ["-" if v is None else f"{v:.1f}" for v in accuracy] + [f"{seconds:.0f}"]
         lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
