@@ -259,6 +259,7 @@ def measured_before(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
             raise TypeError("its results are not a list of entries, each with a name")
     except (OSError, ValueError, KeyError, TypeError) as err:  # ValueError: not JSON, or not text at all
         problem = f"{type(err).__name__}: {err.strerror if isinstance(err, OSError) else err}"
+        problem = f"it or one of its entries has no {err} key" if isinstance(err, KeyError) else problem
         sys.exit(f"--resume: {args.out} is not a bench report ({problem}); move it away or drop --resume")
     if before != settings(args):
         sys.exit(f"--resume: {args.out} was measured with {before}, not {settings(args)}; move it away")
