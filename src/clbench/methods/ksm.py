@@ -87,15 +87,15 @@ class KSM(ScoredMaskMethod):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        widths = {
-            name: layer.weight.shape[1] for name, layer in self.layers.items() if not isinstance(layer, MaskedConv2d)
-        }
-        common = math.gcd(*widths.values())
+        widths = sorted(
+            {layer.weight.shape[1] for layer in self.layers.values() if not isinstance(layer, MaskedConv2d)}
+        )
+        common = math.gcd(*widths)
         require(
             common % self.config.group == 0,
             "method.group",
             self.config.group,
-            f"a divisor of every masked Linear's input width ({', '.join(map(str, sorted(set(widths.values()))))}): "
+            f"a divisor of every masked Linear's input width ({', '.join(map(str, widths))}): "
             + ", ".join(str(d) for d in range(1, common + 1) if common % d == 0),
         )
 
