@@ -53,7 +53,9 @@ GPU_TESTS = $(GPU_ENV) $(GPU_PY) -m pytest -q -p no:cacheprovider -m gpu tests/t
 GPU_STEPS := steps_and_evaluation or cuda_fp32 or attention_runs_fused
 GPU_BENCH = $(GPU_ENV) $(GPU_PY) -m clbench.bench --resume --time-limit 540
 define need_cuda
-	@$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+	@command -v $(GPU_PY) >/dev/null || { echo "make $@: no Python at GPU_PY=$(GPU_PY): run make install first \
+	(it creates $(VENV)), or pass GPU_PY=python3 (torch installed, clbench importable: PYTHONPATH=src)." >&2; exit 2; }; \
+	$(GPU_PY) -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
 	'make $@ needs a CUDA GPU: torch ' + torch.__version__ + ' sees none on this machine. ' \
 	'Run it where one is, e.g. make $@ GPU_PY=python3 (clbench importable).')"
 endef

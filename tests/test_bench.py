@@ -138,3 +138,56 @@ def test_resume_keeps_what_was_measured_and_measures_the_rest(tmp_path) -> None:
     assert stopped.value.code == 3 and not report["complete"] and report["results"] == [kept]
     with pytest.raises(SystemExit, match="was measured with"):
         main([*argv[: argv.index("--methods")], "--batch-size", "8", *argv[argv.index("--methods") :]])
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--steps", "-1"),
+        ("--steps", "0"),
+        ("--rounds", "0"),
+        ("--rounds", "-2"),
+        ("--repeats", "0"),
+        ("--batch-size", "0"),
+        ("--warmup", "-1"),
+        ("--peak-flops", "inf"),
+        ("--time-limit", "0"),
+    ],
+)
+def test_counts_that_would_time_nothing_are_refused_by_argparse(flag: str, value: str, capsys) -> None:
+    """A step count of -1 gave a "complete" bench.json of negative images/s; 0 a ZeroDivisionError."""
+    with pytest.raises(SystemExit) as refused:
+        parse([flag, value])
+    assert refused.value.code == 2 and f"argument {flag}" in capsys.readouterr().err
+
+
+def test_an_out_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys) -> None:
+    for out in ("/proc/nope/bench.json", str(tmp_path)):
+        with pytest.raises(SystemExit) as refused:
+            parse(["--out", out])
+        assert refused.value.code == 2 and "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"\x89PNG\r\n\x1a\n\x00\xff\xfe",  # binary
+        b"[1, 2, 3]",
+        b'{"settings": {}, "results": [1, 2]}',
+        b'{"settings": {}, "results": [{"step_ms": 1.0}]}',  # an entry without a name
+        b"folder",
+    ],
+)
+def test_resume_refuses_a_file_that_is_not_a_bench_report_before_measuring(tmp_path, content: bytes, capsys) -> None:
+    from clbench.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    if content == b"folder":
+        out.mkdir()
+    else:
+        out.write_bytes(content)
+    with pytest.raises(SystemExit) as refused:
+        main([*TINY, "--methods", "finetune", "--out", str(out), "--resume"])
+    said = f"{refused.value.code} {capsys.readouterr().err}"
+    assert refused.value.code not in (0, None) and str(out) in said and "Traceback" not in said
+    assert out.is_dir() or out.read_bytes() == content  # untouched: nothing was measured

@@ -100,3 +100,40 @@ def test_the_loop_does_not_import_the_cli() -> None:
 
     code = "import sys, clbench.loop, clbench.loop.runtime; sys.exit('clbench.cli' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_every_method_float_must_be_finite() -> None:
+    """One rule for every method's Config: `method=ksm method.alpha=inf` (and DualPrompt's pull, CODA-Prompt's
+    ortho_mu) trained to NaN and then blamed the learning rate; `method.temperature=inf` trained a 0.5 mask
+    everywhere without a word. No method field gives inf a meaning, so each float field refuses inf and nan."""
+    import dataclasses
+
+    from hydra.utils import get_class
+
+    checked = []
+    for method in options("method"):
+        config_cls = get_class(compose_config(f"method={method}").method._target_).Config
+        for field in (f for f in dataclasses.fields(config_cls) if "float" in str(f.type)):
+            for value in ("inf", "-inf", "nan"):
+                with pytest.raises(ConfigError, match=rf"`method\.{field.name}`: .*{value}"):
+                    validate(compose_config(f"method={method}", f"++method.{field.name}={value}"))
+                checked.append(f"{method}.{field.name}")
+    assert {"ksm.alpha", "ksm.temperature", "dualprompt.pull", "coda_prompt.ortho_mu"} <= set(checked)
+
+
+def test_a_field_may_allow_inf_but_never_nan() -> None:
+    import dataclasses
+    import math
+
+    from clbench.config import require_finite
+
+    @dataclasses.dataclass
+    class Config:
+        cap: float = dataclasses.field(default=math.inf, metadata={"allow_inf": True})
+        scale: list[float] = dataclasses.field(default_factory=lambda: [1.0, 2.0])
+
+    require_finite(Config(), "method")
+    with pytest.raises(ConfigError, match=r"`method\.cap`: nan\. Allowed: a finite float or inf"):
+        require_finite(Config(cap=math.nan), "method")
+    with pytest.raises(ConfigError, match=r"`method\.scale`: \[1\.0, inf\]\. Allowed: a finite float"):
+        require_finite(Config(scale=[1.0, math.inf]), "method")

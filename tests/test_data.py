@@ -256,3 +256,18 @@ def test_permuted_tasks_hold_every_class_under_their_own_fixed_pixel_permutation
     assert not torch.equal(permuted.test[0].x, permuted.test[1].x)
     with pytest.raises(ConfigError, match=r"data\.tasks_by"):
         validate(compose_config("data=permuted_digits", "data.store=stream"))
+
+
+def test_permuted_tasks_refuse_seeds_past_the_range_and_copies_past_the_memory() -> None:
+    """Task t's permutation is RandomState(permutation_seed + t), whose seed must be below 2**32; every task holds its
+    own copy of the 1797 digits (8x8, resized to 32x32, one byte a pixel): 100000 tasks would take 171.4 GiB."""
+    with pytest.raises(
+        ConfigError, match=r"`data\.permutation_seed`: 4294967295\. Allowed: an integer in \[0, 4294967291\]"
+    ):
+        validate(compose_config("data=permuted_digits", "data.permutation_seed=4294967295"))
+    validate(compose_config("data=permuted_digits", f"data.permutation_seed={2**32 - 5}"))  # seeds up to 2**32 - 1
+    cfg = validate(compose_config("data=permuted_digits", "data.tasks=100000")).data
+    with pytest.raises(
+        ConfigError, match=r"`data\.tasks`: 100000\. Allowed: at most \d+ tasks here.*171\.4 GiB for 100000"
+    ):
+        build_benchmark(cfg)

@@ -66,6 +66,7 @@ def test_bad_overrides_exit_2_with_one_paragraph(tmp_path: Path, override: str, 
         (("backbone.img_size=18",), "backbone.img_size"),
         (("method=piggyback", "method.layers=[]"), "method.layers"),
         (("method=meat", "method.layers=[]"), "method.layers"),
+        (("method=ksm", "method.group=7"), "method.group"),
     ],
 )
 def test_bad_values_are_refused_before_training(overrides: tuple[str, ...], key: str) -> None:
@@ -73,7 +74,10 @@ def test_bad_values_are_refused_before_training(overrides: tuple[str, ...], key:
         build_runtime(tiny_config(*overrides))
 
 
-def test_a_refused_resume_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
+def test_a_refused_run_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
+    """A refused resume, and a new run refused in a finished run's folder (by its config, or by a value only the
+    built model can check), leave the folder as it was: before, Hydra's .hydra files and clbench.log were rewritten
+    and `clbench-eval` refused the folder."""
     run_dir = tmp_path / "run"
     assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
     (run_dir / files.PID_FILE).write_text("4242\n")  # what a killed run leaves behind
@@ -81,6 +85,30 @@ def test_a_refused_resume_leaves_the_folder_byte_identical(tmp_path: Path) -> No
     out = clbench(*TINY_RUN, "seed=5", "trainer.lr=0.01", "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     refused(out, "seed: checkpoint 0, now 5", "trainer.lr: checkpoint 0.001, now 0.01")
     assert snapshot(run_dir) == before  # .hydra files, clbench.log, the PID file, results.json, checkpoint
+    # TINY's Linears take 32 (qkv, proj, fc1) and 4 x 32 = 128 (fc2) inputs: a group must divide both
+    out = clbench(*TINY_RUN, "method=ksm", "method.group=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    refused(out, "`method.group`: 3", "(32, 128): 1, 2, 4, 8, 16, 32.")
+    assert snapshot(run_dir) == before
+
+
+def test_a_bad_value_is_refused_before_hydra_writes_the_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run-folder guard (Hydra's on_run_start, before the .hydra files and the log) validates the config: a bad
+    value in a finished run's folder left it with another run's .hydra files and log, refused by `clbench-eval`."""
+    from hydra import compose, initialize_config_dir
+
+    from clbench.cli import RunFolderGuard
+    from clbench.config import config_dir
+
+    run_dir = tmp_path / "run"
+    overrides = [*TINY_RUN, "method=tfm", "method.growth=0", f"hydra.run.dir={run_dir}"]
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        config = compose("config", overrides=overrides, return_hydra_config=True)
+    with pytest.raises(SystemExit) as exit_:
+        RunFolderGuard().on_run_start(config)
+    assert exit_.value.code == 2 and "`method.growth`: 0.0" in capsys.readouterr().err
+    assert not run_dir.exists()
 
 
 def test_resume_on_a_missing_folder_is_refused_without_creating_it(tmp_path: Path) -> None:
@@ -152,6 +180,25 @@ main()
         from clbench.cli import interrupted
 
         interrupted(signal.SIGINT, None)
+
+
+def test_a_stop_signal_while_the_method_is_imported_is_an_interruption_not_a_bad_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hydra wraps what an import raises in an ImportError: the CLI's Interrupted was reported as "`method._target_`
+    ... cannot be imported", blaming the config."""
+    from clbench.cli import interrupted
+    from clbench.config import validate
+    from conftest import compose_config
+
+    (tmp_path / "clbench_slow_method.py").write_text("import os, signal\nos.kill(os.getpid(), signal.SIGINT)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    previous = signal.signal(signal.SIGINT, interrupted)
+    try:
+        with pytest.raises(Interrupted, match=r"^Interrupted: stopped by SIGINT outside training"):
+            validate(compose_config("method._target_=clbench_slow_method.Method"))
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_clbench_eval_refuses_a_corrupt_results_json_and_names_a_stage_mismatch(tmp_path: Path) -> None:

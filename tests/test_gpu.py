@@ -467,3 +467,12 @@ def test_without_cuda_the_gpu_suite_skips_cleanly_and_gpu_check_says_why(tmp_pat
     for target, first in (("gpu-check", "gpu-test-steps"), ("gpu-bench-micro", "gpu-bench-micro")):  # and says why
         make = run_command("make", "-s", target, f"GPU_PY={sys.executable}", cwd=root)
         assert make.returncode != 0 and f"make {first} needs a CUDA GPU" in make.stderr
+
+
+def test_gpu_check_without_the_venv_says_to_install_it_or_pass_gpu_py(tmp_path: Path) -> None:
+    """On a fresh clone (no .venv) `make gpu-check` said `.venv/bin/python: not found`."""
+    root = Path(__file__).resolve().parents[1]
+    make = run_command("make", "-s", "gpu-check", f"VENV={tmp_path / 'none'}", cwd=root)
+    assert make.returncode != 0 and "not found" not in make.stderr, make.stderr
+    assert f"no Python at GPU_PY={tmp_path / 'none'}/bin/python: run make install first" in make.stderr
+    assert "or pass GPU_PY=python3" in make.stderr

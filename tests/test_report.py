@@ -189,6 +189,22 @@ def test_each_row_is_labelled_by_every_key_it_differs_in_and_latex_escapes_it(
     assert r"loss\_scope=all, epochs=5" in tex and r"\toprule" in tex and r"TIL BWT" in tex
 
 
+def test_reconstructed_methods_are_marked_in_every_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """KSM and TFM are reconstructions (results.json `reconstructed: true`); the report said so nowhere."""
+    from clbench.report import curve_label, table_rows
+
+    write_run(tmp_path / "sweep" / "0", reconstructed=False)
+    write_run(tmp_path / "sweep" / "1", method="ksm", reconstructed=True, changes={"method._target_": "k.KSM"})
+    text, rows = report(tmp_path, capsys)
+    assert [(r["method"], r["reconstructed"]) for r in rows] == [("finetune", "False"), ("ksm", "True")]
+    assert [r["method"] for r in markdown_rows(text)] == ["finetune", "ksm †"]
+    assert "† reconstructed method (results.json `reconstructed: true`)" in text
+    tex = (tmp_path / "report.tex").read_text()
+    assert r"ksm $^\dagger$ &" in tex and r"finetune &" in tex and r"{\footnotesize $^\dagger$ reconstructed" in tex
+    table = table_rows([json.loads((tmp_path / "sweep" / f"{i}" / "results.json").read_text()) for i in (0, 1)])
+    assert [curve_label(r, table) for r in table] == ["finetune", "ksm (reconstructed)"]
+
+
 def test_nothing_to_report_exits_2_and_help_explains_the_rows(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -267,7 +283,83 @@ def test_the_method_tables_are_measured_and_written_between_their_markers(tmp_pa
     assert text.startswith("intro\n") and "\nbetween\n" in text and text.endswith("end\n") and "old" not in text
     rows = [line for line in text.splitlines() if line.startswith("| finetune |")]
     assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows) and "Measured by `make table`" in text
-    # a narrower or failed measurement keeps every row it did not measure: a method that fails writes nothing
-    table(["--readme", str(readme), "--methods", "nope"])
-    assert [line for line in readme.read_text().splitlines() if line.startswith("| finetune |")] == rows
-    assert "| nope |" not in readme.read_text()
+    with pytest.raises(SystemExit) as refused:  # an unknown method is refused before any run, the README kept
+        table(["--readme", str(readme), "--methods", "nope"])
+    assert refused.value.code == 2 and readme.read_text() == text
+
+
+def table_readme(path: Path, methods: tuple[str, ...]) -> bytes:
+    """A README whose two method tables hold a row of made-up numbers for each of ``methods``."""
+    rows = "".join(f"| {m} | 1.0 | 2.0 | 3.0 | 4.0 | 5 |\n" for m in methods)
+    head = "| method | TIL final | TIL forgetting | CIL final | CIL forgetting | seconds |\n|---|---|---|---|---|---|\n"
+    blocks = [f"<!-- method-table: {s} -->\n{head}{rows}\nMeasured before.\n<!-- /method-table -->" for s in SETTINGS]
+    path.write_text("intro\n" + "\n".join(blocks) + "\nend\n")
+    return path.read_bytes()
+
+
+SETTINGS = ("5 tasks", "3 tasks")
+
+
+def test_make_table_writes_only_finished_rows_and_keeps_every_other(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--methods simplecil` rewrites simplecil's rows and keeps the others; a failed or interrupted run (which exits
+    0 with the tasks it trained) writes no row; without a finished run the README is not written at all."""
+    from clbench import method_table
+    from clbench.methods import METHODS
+
+    readme = tmp_path / "README.md"
+    before = table_readme(readme, METHODS)
+    outcome = {"simplecil": {"values": (90.0, 0.0, 80.0, 5.0, 7.0)}, "finetune": {"error": "ConfigError"}}
+    monkeypatch.setattr(method_table, "measure", lambda m, o, f: {"method": m, **outcome[m]})
+    method_table.main(["--readme", str(readme), "--methods", "simplecil"])
+    lines = readme.read_text().splitlines()
+    assert lines.count("| simplecil | 90.0 | 0.0 | 80.0 | 5.0 | 7 |") == 2
+    assert sum(line.startswith("| ") for line in lines) == 2 * (len(METHODS) + 1)  # every row kept, the header
+    assert "measured simplecil" in capsys.readouterr().err
+    readme.write_bytes(before)
+    with pytest.raises(SystemExit, match="nothing written"):
+        method_table.main(["--readme", str(readme), "--methods", "finetune"])
+    assert readme.read_bytes() == before
+
+
+def test_an_interrupted_run_is_no_row_and_stops_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A clbench child stopped by SIGINT exits 0 with results.json `interrupted` and the numbers of the tasks it
+    trained (4 of 5): they must not become the method's 5-task row, and the table stops there."""
+    import subprocess
+
+    from clbench import method_table
+
+    calls = []
+
+    def child(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+        folder = Path(command[-1].split("=", 1)[1])
+        folder.mkdir(parents=True)
+        metrics = {s: {"final_acc": 50.0, "forgetting": 1.0} for s in ("til", "cil")}
+        (folder / "results.json").write_text(json.dumps({"status": "interrupted", "metrics": metrics}))
+        calls.append(command)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(method_table.subprocess, "run", child)
+    row = method_table.measure("finetune", (), tmp_path / "run")
+    assert "values" not in row and row["interrupted"] and "interrupted" in row["error"]
+    measured = method_table.measure_all(["finetune", "joint"], [], tmp_path / "all")
+    assert (
+        len(calls) == 2 and list(measured) == ["5 tasks"] and [r["method"] for r in measured["5 tasks"]] == ["finetune"]
+    )
+
+
+@pytest.mark.parametrize("args", [["--readme", "/nonexistent/README.md"], ["--set", "trainer.epochs=abc"]])
+def test_make_table_refuses_a_bad_readme_or_override_before_any_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: list[str]
+) -> None:
+    from clbench import method_table
+
+    readme = tmp_path / "README.md"
+    before = table_readme(readme, ("simplecil",))
+    monkeypatch.setattr(method_table, "measure", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as refused:
+        method_table.main(["--readme", str(readme), "--methods", "simplecil", *args])
+    said = str(refused.value.code)
+    assert said.startswith("clbench-table: ") and ("/nonexistent/README.md" in said or "trainer.epochs" in said)
+    assert readme.read_bytes() == before

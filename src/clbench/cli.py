@@ -17,7 +17,7 @@ from hydra.errors import HydraException
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from hydra.utils import get_class
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from clbench.config import GROUPS, RunConfig, closest, config_dir, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
@@ -37,11 +37,12 @@ log = logging.getLogger("clbench")
 
 class RunFolderGuard(Callback):
     """Before Hydra writes anything into the output folder (registered in conf/config.yaml under hydra.callbacks):
-    refuse one that cannot be written, a run folder another clbench process holds (the lock stays with this process
-    until it exits), and ``resume=true`` where there is no folder to resume; each with one clear paragraph, exit 2.
-    Where a run is resumed, what the start of a job rewrites is kept (the .hydra files, clbench.log, the PID file),
-    so that a resume refused later (another config, a corrupt checkpoint) leaves the folder byte for byte as it was:
-    Hydra rewrites them before the run can compare its config with the checkpoint's."""
+    refuse an invalid config, a folder that cannot be written, a run folder another clbench process holds (the lock
+    stays with this process until it exits), and ``resume=true`` where there is no folder to resume; each with one
+    clear paragraph, exit 2. Where the folder already holds files (a run resumed, or a new run pointed at an old
+    run's folder), what the start of a job rewrites is kept (the .hydra files, clbench.log, the PID file), so that a
+    run refused later (another config than the checkpoint's, a value only the built model can refuse) leaves the
+    folder byte for byte as it was: Hydra rewrites them before the run can build anything."""
 
     before: ClassVar[dict[Path, bytes | None]] = {}
     folder: ClassVar[Path | None] = None
@@ -50,15 +51,19 @@ class RunFolderGuard(Callback):
         if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks write nothing
             return
         folder = Path(str(config.hydra.run.dir))
+        RunFolderGuard.before, RunFolderGuard.folder = {}, None  # this job's folder only
         try:
+            validate(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
             if config.get("resume") is True and not (folder / "checkpoint.pt").is_file():
                 raise DataError(
                     f"Cannot resume: {folder / 'checkpoint.pt'} does not exist (no run wrote a checkpoint there). "
                     "Point hydra.run.dir at the run's folder, or drop resume=true to start a new run."
                 )
+            used = folder.is_dir() and any(folder.iterdir())
             check_writable(folder)
-            if config.get("resume") in (True, "auto"):
-                kept = [*(folder / ".hydra").glob("*.yaml"), folder / "clbench.log", folder / PID_FILE]
+            if used or config.get("resume") in (True, "auto"):
+                hydra_files = {folder / ".hydra" / f"{name}.yaml" for name in ("config", "hydra", "overrides")}
+                kept = [*hydra_files, *(folder / ".hydra").glob("*.yaml"), folder / "clbench.log", folder / PID_FILE]
                 RunFolderGuard.before = {p: p.read_bytes() if p.is_file() else None for p in kept}
                 RunFolderGuard.folder = folder
             lock_run_folder(folder)
@@ -77,7 +82,7 @@ class RunFolderGuard(Callback):
 
     @classmethod
     def put_back(cls) -> None:
-        """Give the folder of a refused resume back as it was: the run folder's lock released, and the files the job
+        """Give the folder of a refused run back as it was: the run folder's lock released, and the files the job
         rewrote restored (or removed, where the job created them). A run that began to write the folder keeps it."""
         if cls.folder is None or began_writing(cls.folder):
             return
@@ -133,8 +138,8 @@ def share_cores(launcher: DictConfig) -> None:
 
 def interrupted(signum: int, _frame: object) -> None:
     raise Interrupted(
-        f"stopped by {signal.Signals(signum).name} outside training (while starting up or finishing), so no "
-        "checkpoint was due; run the same command again with resume=auto to continue where the folder has one."
+        f"Interrupted: stopped by {signal.Signals(signum).name} outside training (while starting up or finishing), "
+        "so no checkpoint was due; run the same command again with resume=auto to continue where the folder has one."
     )
 
 

@@ -3,7 +3,8 @@
 Hydra composes plain YAML (``conf/``); :func:`validate` then merges each group into its dataclass schema, so
 an unknown key or a value of the wrong type is rejected by OmegaConf, and each schema's ``__post_init__``
 rejects values outside their allowed range. Every message names the key, the value and what is allowed.
-A method's hyperparameters are validated against the ``Config`` dataclass that the method class declares.
+A method's hyperparameters are validated against the ``Config`` dataclass that the method class declares, and each
+of its floats must be finite (:func:`require_finite`).
 """
 
 from __future__ import annotations
@@ -127,6 +128,14 @@ class DataConfig:
             ok = value is None if key == "class_order_seed" and value is None else 0 <= value < 2**32
             require(
                 ok, f"data.{key}", value, "an integer in [0, 2**32)" + (" or null" if key == "class_order_seed" else "")
+            )
+        if self.tasks_by == "pixel_permutations":  # task t's permutation is drawn by RandomState(permutation_seed + t)
+            last = 2**32 - (self.num_tasks or self.tasks)
+            require(
+                self.permutation_seed <= last,
+                "data.permutation_seed",
+                self.permutation_seed,
+                f"an integer in [0, {last}] (task t's permutation is seeded permutation_seed + t, below 2**32)",
             )
         require(self.decode_workers >= 1, "data.decode_workers", self.decode_workers, "an integer >= 1")
         require_choice("data.store", self.store, ("device", "stream", "auto"))
@@ -380,6 +389,19 @@ def _typed(schema: type, node: Any, key: str) -> Any:
         raise ConfigError(f"Invalid config at {where}: {detail}") from None
 
 
+def require_finite(config: Any, key: str) -> None:
+    """Refuse an infinite or NaN float in the dataclass ``config`` (a float field, or a float in a list or tuple): a
+    weight, temperature or rate of inf trains to NaN or saturates without a word. A field whose meaning allows inf
+    says so with ``field(metadata={"allow_inf": True})`` (NaN is never allowed)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        for item in value if isinstance(value, list | tuple) else [value]:
+            if isinstance(item, float) and not math.isfinite(item):
+                allow_inf = bool(f.metadata.get("allow_inf"))
+                allowed = "a finite float" + (" or inf" if allow_inf else " (inf and nan are not allowed)")
+                require(allow_inf and not math.isnan(item), f"{key}.{f.name}", value, allowed)
+
+
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
     allowed = {*GROUPS, "method", "seed", "resume", "objective", "objective_on_test"}
@@ -391,12 +413,16 @@ def validate(cfg: DictConfig) -> RunConfig:
     target = str(method_node._target_)
     try:
         method_cls = get_class(target)
-    except ClbenchError:  # a stop signal while importing (clbench.cli's handler): not the target's fault
-        raise
     except Exception as err:
+        stop = err  # a stop signal while importing (clbench.cli's handler), which Hydra wraps in an ImportError
+        while stop is not None and not isinstance(stop, ClbenchError):
+            stop = stop.__cause__ or stop.__context__
+        if stop is not None:
+            raise stop from None
         raise ConfigError(f"`method._target_`={target!r} cannot be imported: {err}") from None
     params = OmegaConf.masked_copy(method_node, [k for k in method_node if k != "_target_"])
     method = _typed(method_cls.Config, params, "method")
+    require_finite(method, "method")
     check_memory(groups["memory"], method_cls)
     seed = cfg.get("seed", 0)
     require(isinstance(seed, int) and 0 <= seed < 2**32, "seed", seed, "an integer in [0, 2**32) (NumPy's seed range)")

@@ -3,8 +3,11 @@
 Every method (conf/method/*.yaml) runs its default config on the embedded default as a user runs it (`clbench
 method=M`, seed 0, W&B off), once on the 5 digit tasks and once with `data.num_tasks=3` (the acceptance command);
 each row is read from the run's results.json (TIL and CIL final accuracy and forgetting) and the command's wall time.
-The tables replace what stands between the README's markers ``<!-- method-table: 5 tasks -->`` and
-``<!-- /method-table -->`` (and the same for 3 tasks), with the machine and the date below them.
+The tables stand between the README's markers ``<!-- method-table: 5 tasks -->`` and ``<!-- /method-table -->`` (and
+the same for 3 tasks), with the machine and the date below them. Only a run that finished writes its row; every other
+row stays as it stood (a failed or interrupted run, a narrower ``--methods``), and without a finished run the README
+is not written at all; the command says which rows it wrote. A stop signal (Ctrl-C) ends the table after the run it
+interrupted. The README, the methods and the ``--set`` overrides are checked before the first run.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from clbench.config import config_dir
-from clbench.files import write_atomic
+from clbench.errors import ConfigError
+from clbench.files import check_writable, write_atomic
 from clbench.methods import METHODS
 
 SETTINGS = {"5 tasks": (), "3 tasks": ("data.num_tasks=3",)}
@@ -38,26 +42,33 @@ def method_names() -> list[str]:
 
 
 def measure(method: str, overrides: tuple[str, ...], folder: Path) -> dict[str, Any]:
-    """One `clbench method=...` run in its own process: its metrics and wall time (or why it failed)."""
+    """One `clbench method=...` run in its own process: its metrics and wall time, or why it has none. Only a run whose
+    results.json says ``finished`` counts: one stopped by a signal exits 0 with the metrics of the tasks it trained
+    (``interrupted`` marks it, so that the table stops there)."""
     command = [sys.executable, "-m", "clbench", f"method={method}", *overrides, "logger.mode=disabled"]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
     start = time.perf_counter()
     done = subprocess.run([*command, f"hydra.run.dir={folder}"], capture_output=True, text=True, env=env)  # noqa: PLW1510
     seconds = time.perf_counter() - start
-    if done.returncode != 0:
-        return {"method": method, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    metrics = json.loads((folder / "results.json").read_text())["metrics"]
+    try:
+        run = json.loads((folder / "results.json").read_text())
+    except (OSError, ValueError):
+        run = {}
+    status = run.get("status")
+    if done.returncode != 0 or status != "finished":
+        lines = [line for line in done.stderr.splitlines() if line.strip() and "HYDRA_FULL_ERROR" not in line]
+        said = lines[-1].strip() if lines else f"exit code {done.returncode}, no output"
+        error = said if done.returncode != 0 else f"the run ended {status or 'without results.json'}"
+        return {"method": method, "error": error, "interrupted": status == "interrupted" or done.returncode < 0}
+    metrics = run["metrics"]
     values = (metrics["til"]["final_acc"], metrics["til"]["forgetting"], metrics["cil"]["final_acc"])
     return {"method": method, "values": (*values, metrics["cil"]["forgetting"], seconds)}
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The rows as a Markdown table (one decimal; seconds whole)."""
+    """The measured rows as a Markdown table (one decimal; seconds whole)."""
     lines = ["| method | " + " | ".join(COLUMNS) + " |", "|---|" + "---|" * len(COLUMNS)]
     for row in rows:
-        if "error" in row:
-            lines.append(f"| {row['method']} | failed: {row['error']} |" + " |" * (len(COLUMNS) - 1))
-            continue
         *accuracy, seconds = row["values"]
         cells = ["-" if v is None else f"{v:.1f}" for v in accuracy] + [f"{seconds:.0f}"]
         lines.append(f"| {row['method']} | " + " | ".join(cells) + " |")
@@ -77,42 +88,108 @@ def block(text: str, setting: str) -> re.Match:
 
 def merge(text: str, setting: str, rows: list[dict[str, Any]], stamp: str, every: bool) -> str:
     """``text`` with the setting's table holding the measured ``rows`` (a failed one is not written: the row it would
-    replace stays) and every other row as it stood, in the README's order. Measuring every method replaces the
-    stamp; a narrower measurement adds a line naming the methods it measured again."""
+    replace stays) and every other row as it stood, in the README's order; ``text`` itself without a measured row.
+    Measuring every method (``every``, and none failed) replaces the stamp; a narrower measurement adds a line naming
+    the methods it measured again."""
+    fresh = {row["method"]: markdown([row]).splitlines()[2] for row in rows if "error" not in row}
+    if not fresh:
+        return text
     found = block(text, setting)
     old_table, _, old_stamp = found.group(2).partition("\n\n")
     kept = {line.split("|")[1].strip(): line for line in old_table.splitlines()[2:] if line.startswith("| ")}
-    fresh = {row["method"]: markdown([row]).splitlines()[2] for row in rows if "error" not in row}
     merged = kept | fresh
     order = [m for m in method_names() if m in merged] + sorted(set(merged) - set(method_names()))
     header = "\n".join(markdown([]).splitlines()[:2])
     table = "\n".join([header, *(merged[m] for m in order)])
-    if not every and old_stamp:
+    if not (every and set(fresh) >= set(method_names())) and old_stamp:
         stamp = old_stamp + "\n" + textwrap.fill(f"{stamp.removesuffix('.')}: {', '.join(fresh)}.", 120)
     return text[: found.start(2)] + table + "\n\n" + stamp + text[found.end(2) :]
+
+
+def readme_text(path: Path) -> str:
+    """The README to rewrite, read before anything is measured: it must be readable, hold both table blocks and sit
+    in a folder that can be written."""
+    try:
+        text = path.read_text()
+        check_writable(path.parent, hint="Name another file with --readme PATH.")
+    except (OSError, UnicodeDecodeError, ConfigError) as err:
+        raise SystemExit(f"clbench-table: cannot use --readme {path}: {err}") from None
+    for setting in SETTINGS:
+        block(text, setting)
+    return text
+
+
+def check_overrides(methods: list[str], extra: list[str]) -> None:
+    """Compose and validate every run's config before the first run, so that a bad ``--set`` stops the table at
+    once instead of failing every run."""
+    from clbench.bench.timing import compose
+
+    for method in methods:
+        for overrides in SETTINGS.values():
+            try:
+                compose([f"method={method}", *overrides, *extra])
+            except Exception as err:  # Hydra's and clbench's config errors alike (Hydra's detail is in its cause)
+                detail = ": ".join(str(e).strip().splitlines()[0] for e in (err, err.__cause__) if e and str(e).strip())
+                raise SystemExit(
+                    f"clbench-table: method={method} {' '.join(extra)}: {detail}; nothing measured"
+                ) from None
+
+
+def measure_all(methods: list[str], extra: list[str], tmp: Path) -> dict[str, list[dict[str, Any]]]:
+    """Every method in every setting, in order, until a run is interrupted (a stop signal: the table stops there)."""
+    measured: dict[str, list[dict[str, Any]]] = {}
+    for setting, overrides in SETTINGS.items():
+        rows = measured.setdefault(setting, [])
+        for method in methods:
+            try:
+                row = measure(method, (*overrides, *extra), tmp / setting.replace(" ", "_") / method)
+            except KeyboardInterrupt:
+                row = {"method": method, "error": "interrupted", "interrupted": True}
+            print(f"{setting} {method}: {row.get('values', row.get('error'))}", file=sys.stderr)
+            rows.append(row)
+            if row.get("interrupted"):
+                return measured
+    return measured
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="clbench-table", description=__doc__.split("\n\n")[0])
     parser.add_argument("--readme", type=Path, default=Path("README.md"), help="the file whose tables are rewritten")
-    parser.add_argument("--methods", nargs="+", default=None, help="only these methods (default: every one shipped)")
+    parser.add_argument(
+        "--methods", nargs="+", choices=method_names(), default=None, help="only these methods (default: every one)"
+    )
     parser.add_argument("--set", nargs="*", default=[], help="overrides added to every run (e.g. for a quick check)")
     args = parser.parse_args(argv)
     methods = args.methods or method_names()
-    text = args.readme.read_text()
+    text = readme_text(args.readme)
+    check_overrides(methods, args.set)
     stamp = f"Measured by `make table` on {datetime.date.today()} ({machine()}, Python {platform.python_version()})."
     every = set(methods) >= set(method_names()) and not args.set
     with tempfile.TemporaryDirectory(prefix="clbench-table-") as tmp:
-        for setting, overrides in SETTINGS.items():
-            block(text, setting)  # both blocks exist before anything is measured
-            rows = []
-            for method in methods:
-                row = measure(method, (*overrides, *args.set), Path(tmp) / setting.replace(" ", "_") / method)
-                print(f"{setting} {method}: {row.get('values', row.get('error'))}", file=sys.stderr)
-                rows.append(row)
-            text = merge(text, setting, rows, stamp, every)
+        measured = measure_all(methods, args.set, Path(tmp))
+    for setting, rows in measured.items():
+        text = merge(text, setting, rows, stamp, every)
+    print(*summary(measured, methods), sep="\n", file=sys.stderr)
+    finished = sum("error" not in r for rows in measured.values() for r in rows)
+    if not finished:
+        raise SystemExit(f"clbench-table: no run finished: nothing written, {args.readme} is unchanged")
     write_atomic(args.readme, text)
-    print(f"written: the method tables of {args.readme}", file=sys.stderr)
+    print(f"written: {finished} measured rows into {args.readme}, every other row as it stood", file=sys.stderr)
+    if finished < len(methods) * len(SETTINGS):
+        sys.exit(1)
+
+
+def summary(measured: dict[str, list[dict[str, Any]]], methods: list[str]) -> list[str]:
+    """Per setting: the methods measured, those whose run failed and those not measured (the table was stopped)."""
+    lines = []
+    for setting in SETTINGS:
+        rows = measured.get(setting, [])
+        failed = "; ".join(f"{r['method']} ({r['error']})" for r in rows if "error" in r)
+        left = ", ".join(m for m in methods if m not in {r["method"] for r in rows})
+        line = f"{setting}: measured {', '.join(r['method'] for r in rows if 'error' not in r) or 'none'}"
+        line += f"; failed, row kept as it stood: {failed}" if failed else ""
+        lines.append(line + (f"; not measured (stopped), row kept as it stood: {left}" if left else ""))
+    return lines
 
 
 def machine() -> str:

@@ -285,6 +285,9 @@ def texts(line: Line, pm: str, dash: str) -> list[str]:
     return out
 
 
+RECONSTRUCTED = "† reconstructed method (results.json `reconstructed: true`): not the paper's method."
+
+
 def label(line: Line, mark: str = "†") -> str:
     return line.row.label + (f" {mark}" if line.reconstructed else "")
 
@@ -318,7 +321,7 @@ def markdown(table: PaperTable, table_lines: list[Line], apart: list[Apart], oth
         cells += texts(line, "±", "–")
         out.append("| " + " | ".join(c.replace("|", r"\|") for c in cells) + " |")
     if any(line.reconstructed for line in table_lines):
-        out += ["", "† reconstructed method (results.json `reconstructed: true`): not the paper's method."]
+        out += ["", RECONSTRUCTED]
     if apart:
         out += ["", f"Not rows of this table (not averaged): {len(apart)}", *[f"- {a}" for a in apart]]
     if others:
@@ -345,6 +348,7 @@ def csv_text(table: PaperTable, table_lines: list[Line]) -> str:
 
 
 def tex_escape(text: str) -> str:
+    """Escape the characters LaTeX reads as commands in a table cell; –, Δ and † in LaTeX's spelling."""
     for char in "_%&#":
         text = text.replace(char, f"\\{char}")
     return text.replace("–", "--").replace("Δ", r"$\Delta$").replace("†", r"$^\dagger$")
@@ -369,11 +373,18 @@ def latex(table: PaperTable, table_lines: list[Line]) -> str:
                 r"\midrule",
                 *body,
                 r"\bottomrule",
+                *legend_row(len(spec), any(line.reconstructed for line in table_lines)),
                 r"\end{tabular}",
             ]
         )
         + "\n"
     )
+
+
+def legend_row(columns: int, reconstructed: bool) -> list[str]:
+    """The † legend as a tabular row spanning ``columns`` (none without a reconstructed row)."""
+    text = tex_escape(RECONSTRUCTED.replace("`", ""))
+    return [rf"\multicolumn{{{columns}}}{{l}}{{\footnotesize {text}}} \\"] if reconstructed else []
 
 
 def report(name: str, runs: list[Run], others: list[Any]) -> dict[str, str]:

@@ -13,6 +13,10 @@ no run measured it).
 Runs that did not finish are listed with their status and failure, not averaged, as are Hydra job folders (those
 with a .hydra/ folder) that have no results.json, with their overrides and the last line of their log.
 
+A method clbench reconstructs from what its paper states (results.json ``reconstructed: true``: TFM, KSM) is marked †
+in every output, with a legend (.md and .tex), a ``reconstructed`` column (.csv) and "reconstructed" in the figure's
+legend.
+
 Writes PREFIX.md, .csv, .tex (booktabs) and a figure (.png and .pdf) of the mean accuracy over the seen tasks after
 each task, one line per row with a band of ± one std over its runs. PREFIX is --out, by default ``report`` in the
 folder the given paths share (a sweep's folder), never the working folder.
@@ -48,6 +52,7 @@ from clbench import paper_table
 from clbench.comparable import differing_keys, setting, short_names
 from clbench.errors import ConfigError
 from clbench.files import check_writable, write_atomic
+from clbench.paper_table import RECONSTRUCTED, legend_row, tex_escape
 
 Run = dict[str, Any]
 SCENARIOS = ("til", "cil")
@@ -74,6 +79,16 @@ class Row:
     benchmark: str
     setting: str
     runs: list[Run]
+
+    @property
+    def reconstructed(self) -> bool:
+        """A reconstruction of its paper's method (results.json ``reconstructed: true``: TFM, KSM), marked †."""
+        return any(r.get("reconstructed") is True for r in self.runs)
+
+    @property
+    def name(self) -> str:
+        """The method, with † when it is a reconstruction."""
+        return f"{self.method} †" if self.reconstructed else self.method
 
     def stat(self, column: str) -> tuple[float | None, float | None]:
         """Mean and sample std of ``<scenario>_<metric>`` over the runs that measured it (std None for one)."""
@@ -278,9 +293,11 @@ def markdown(rows: list[Row], others: list[Skipped]) -> str:
         "|---|---|---|---|---|" + "---|" * len(HEADERS),
     ]
     for r in rows:
-        label = [r.method, r.backbone, r.benchmark, r.setting or "-", str(len(r.runs))]
+        label = [r.name, r.backbone, r.benchmark, r.setting or "-", str(len(r.runs))]
         cells = [text.replace("|", r"\|") for text in label] + [cell(r.stat(c), "±") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
+    if any(r.reconstructed for r in rows):
+        lines += ["", RECONSTRUCTED]
     if others:
         lines += ["", "Not averaged (did not finish, unreadable or duplicates):", *[f"- {o}" for o in others]]
     return "\n".join(lines) + "\n"
@@ -291,19 +308,20 @@ def csv_text(rows: list[Row]) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf)
     writer.writerow(
-        ["method", "backbone", "benchmark", "setting", "runs", *[f"{c}_{k}" for c in COLUMNS for k in ("mean", "std")]]
+        [
+            "method",
+            "backbone",
+            "benchmark",
+            "setting",
+            "runs",
+            "reconstructed",
+            *[f"{c}_{k}" for c in COLUMNS for k in ("mean", "std")],
+        ]
     )
     for r in rows:
         values = ["" if v is None else f"{v:.4f}" for c in COLUMNS for v in r.stat(c)]
-        writer.writerow([r.method, r.backbone, r.benchmark, r.setting, len(r.runs), *values])
+        writer.writerow([r.method, r.backbone, r.benchmark, r.setting, len(r.runs), r.reconstructed, *values])
     return buf.getvalue()
-
-
-def tex_escape(text: str) -> str:
-    """Escape the characters LaTeX reads as commands in a table cell."""
-    for char in "_%&#":
-        text = text.replace(char, f"\\{char}")
-    return text
 
 
 def latex(rows: list[Row]) -> str:
@@ -312,7 +330,7 @@ def latex(rows: list[Row]) -> str:
     body = [
         " & ".join(
             [
-                *map(tex_escape, (r.method, r.backbone, r.benchmark, r.setting or "-")),
+                *map(tex_escape, (r.name, r.backbone, r.benchmark, r.setting or "-")),
                 str(len(r.runs)),
                 *[cell(r.stat(c), r"$\pm$") for c in COLUMNS],
             ]
@@ -321,7 +339,17 @@ def latex(rows: list[Row]) -> str:
         for r in rows
     ]
     spec = "llllr" + "r" * len(COLUMNS)
-    lines = [rf"\begin{{tabular}}{{{spec}}}", r"\toprule", head, r"\midrule", *body, r"\bottomrule", r"\end{tabular}"]
+    legend = legend_row(len(spec), any(r.reconstructed for r in rows))
+    lines = [
+        rf"\begin{{tabular}}{{{spec}}}",
+        r"\toprule",
+        head,
+        r"\midrule",
+        *body,
+        r"\bottomrule",
+        *legend,
+        r"\end{tabular}",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -335,6 +363,7 @@ def curve_label(row: Row, rows: list[Row]) -> str:
     parts = [row.backbone] if len({r.backbone for r in rows}) > 1 else []
     parts += [row.benchmark] if len({r.benchmark for r in rows}) > 1 else []
     parts += [row.setting] if row.setting else []
+    parts += ["reconstructed"] if row.reconstructed else []
     return f"{row.method} ({'; '.join(parts)})" if parts else row.method
 
 

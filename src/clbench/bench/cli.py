@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing as mp
 import resource
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +40,8 @@ from clbench.bench.models import (
     reference_step,
 )
 from clbench.bench.timing import Waits, peak_flops, step_flops, timed
+from clbench.errors import ConfigError
+from clbench.files import check_writable
 from clbench.methods import BASELINES
 
 
@@ -124,17 +128,45 @@ def _child(args: argparse.Namespace, name: str, queue: mp.Queue) -> None:
         queue.put({"name": name, "error": f"{type(err).__name__}: {err}"})
 
 
+def at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum`` (a step count of 0 or -1 would time nothing, or time backwards)."""
+
+    def parse_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is not an integer >= {minimum}")
+        return value
+
+    return parse_int
+
+
+def positive_float(text: str) -> float:
+    """An argparse type: a finite float > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number > 0")
+    return value
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     parser = argparse.ArgumentParser(prog="clbench-bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--backbone", default="vit_base_patch16_224" if cuda else "vit_micro")
-    parser.add_argument("--image-size", type=int, default=224 if cuda else 32)
-    parser.add_argument("--batch-size", type=int, default=128 if cuda else 32)
+    parser.add_argument("--image-size", type=at_least(8), default=224 if cuda else 32)
+    parser.add_argument("--batch-size", type=at_least(1), default=128 if cuda else 32)
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
         "--precision", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on CUDA, fp32 on CPU"
     )
-    parser.add_argument("--peak-flops", type=float, default=None, help="the device's dense bf16 peak (FLOP/s) for MFU")
+    parser.add_argument(
+        "--peak-flops", type=positive_float, default=None, help="the device's dense bf16 peak (FLOP/s) for MFU"
+    )
     for flag in ("compile", "cuda-graphs"):
         key = flag.replace("-", "_")
         parser.add_argument(f"--{flag}", choices=("auto", "true", "false"), default="auto", help=f"trainer.{key}")
@@ -143,18 +175,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     also = ", ".join((*INFERENCE, *bench_data.MEMORY, *(r for r in REFERENCES if r not in references)))
     default = [*METHODS, *references, *bench_data.DATA]
     parser.add_argument("--methods", nargs="+", default=default, help=f"entries (also {also})")
-    parser.add_argument("--workers", type=int, default=4, help="data entries: loader worker processes (both paths)")
-    parser.add_argument("--data-images", type=int, default=4096, help="data entries: JPEGs in the bench's folder")
+    parser.add_argument(
+        "--workers", type=at_least(0), default=4, help="data entries: loader worker processes (both paths)"
+    )
+    parser.add_argument(
+        "--data-images", type=at_least(1), default=4096, help="data entries: JPEGs in the bench's folder"
+    )
     parser.add_argument(
         "--data-dir",
         type=Path,
         default=None,
         help="data entries' files, kept for the next bench (default: a temporary folder, removed at the end)",
     )
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=1, help="measure the list this many times, interleaved")
+    parser.add_argument("--warmup", type=at_least(0), default=3)
+    parser.add_argument("--steps", type=at_least(1), default=10)
+    parser.add_argument("--repeats", type=at_least(1), default=5)
+    parser.add_argument("--rounds", type=at_least(1), default=1, help="measure the list this many times, interleaved")
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     parser.add_argument(
         "--resume",
@@ -163,7 +199,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--time-limit",
-        type=float,
+        type=positive_float,
         default=None,
         help="seconds: start no entry that the longest one so far would carry past it; exit 3 with what is measured "
         "written (go on with --resume)",
@@ -173,15 +209,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = set(args.methods) - set(known)
     if unknown:
         parser.error(f"unknown entries {sorted(unknown)}; choose from {known}")
+    try:  # before measuring anything: a report that cannot be written is refused at once
+        if args.out.is_dir():
+            raise ConfigError(f"--out {args.out} is a folder; name the file to write, e.g. {args.out / 'bench.json'}")
+        check_writable(args.out.parent, hint="Choose another file with --out PATH.")
+    except ConfigError as err:
+        parser.error(str(err))
     return args
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    done = measured_before(args)
     keep = args.data_dir is not None
     args.data_dir = (args.data_dir or Path(tempfile.mkdtemp(prefix="clbench-bench-"))).resolve()
     try:
-        run_entries(args)
+        run_entries(args, done)
     finally:
         if not keep:
             shutil.rmtree(args.data_dir, ignore_errors=True)
@@ -209,21 +252,26 @@ def measured_before(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     if not args.resume or not args.out.exists():
         return {}
     try:
-        report = json.loads(args.out.read_text())
+        report = json.loads(args.out.read_bytes())
         before, results = report["settings"], report["results"]
-    except (json.JSONDecodeError, KeyError, TypeError) as err:
-        sys.exit(f"--resume: {args.out} is not a bench report ({err}); move it away or drop --resume")
+        named = isinstance(results, list) and all(isinstance(r, dict) and isinstance(r["name"], str) for r in results)
+        if not named:
+            raise TypeError("its results are not a list of entries, each with a name")
+    except (OSError, ValueError, KeyError, TypeError) as err:  # ValueError: not JSON, or not text at all
+        problem = f"{type(err).__name__}: {err.strerror if isinstance(err, OSError) else err}"
+        problem = f"it or one of its entries has no {err} key" if isinstance(err, KeyError) else problem
+        sys.exit(f"--resume: {args.out} is not a bench report ({problem}); move it away or drop --resume")
     if before != settings(args):
         sys.exit(f"--resume: {args.out} was measured with {before}, not {settings(args)}; move it away")
     return {r["name"]: r for r in results if "error" not in r}
 
 
-def run_entries(args: argparse.Namespace) -> None:
+def run_entries(args: argparse.Namespace, done: dict[str, dict[str, Any]]) -> None:
+    """Measure the entries ``done`` does not hold yet, each in a fresh process, ``--rounds`` times."""
     from clbench.tracking import console
 
     if set(args.methods) & set(bench_data.DATA):
         bench_data.prepare(args)
-    done = measured_before(args)
     todo = [name for name in args.methods if name not in done]
     if done:
         console.print(f"--resume: {len(done)} entries kept from {args.out}, {len(todo)} to measure")

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from clbench.config import DataConfig
+from clbench.config import DataConfig, require
 from clbench.data.cache import cached_source
 from clbench.data.image_folder import seeded_split
 from clbench.data.sources import SourceData, load_named_source
@@ -238,8 +238,17 @@ def permuted_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
         size = (cfg.permutation_size, cfg.permutation_size)
         source = dataclasses.replace(source, train_x=resized(source.train_x, size), test_x=resized(source.test_x, size))
     h, w = source.train_x.shape[-2:]
+    count, per_task, free = cfg.num_tasks or cfg.tasks, source.train_x.nbytes + source.test_x.nbytes, free_memory(CPU)
+    require(  # refused before a task is made: the copies would exhaust the host's memory
+        count * per_task <= free / 2,
+        "data.num_tasks" if cfg.num_tasks else "data.tasks",
+        count,
+        f"at most {int(free / 2 // per_task)} tasks here: each holds its own permuted copy of the "
+        f"{per_task / 2**20:.1f} MiB of {cfg.source} images ({h}x{w} px), {count * per_task / 2**30:.1f} GiB for "
+        f"{count}, more than half of the {free / 2**30:.1f} GiB of memory available",
+    )
     tasks, train, test = [], [], []
-    for t in range(cfg.num_tasks or cfg.tasks):
+    for t in range(count):
         perm = torch.from_numpy(np.random.RandomState(cfg.permutation_seed + t).permutation(h * w))
 
         def shuffled(x: torch.Tensor, perm: torch.Tensor = perm) -> torch.Tensor:

@@ -67,11 +67,8 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
         check_writable(run_dir)
     acquired = main and lock_run_folder(run_dir)
     try:
-        if main:
-            begin_writing(run_dir)
-            remove_stale_temporaries(run_dir)
-            if harmless:
-                say(f"clbench: resuming {run_dir} with {'; '.join(harmless)} (settings that do not change the results)")
+        if main and harmless:
+            say(f"clbench: resuming {run_dir} with {'; '.join(harmless)} (settings that do not change the results)")
         return train_in_folder(cfg, run_dir, name, main, saved)
     finally:
         if acquired:
@@ -79,8 +76,13 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
 
 
 def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
-    """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from."""
+    """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from. A run refused while its
+    method and data are built (a value only the built model can check, missing data) has not begun to write the
+    folder: the CLI gives it back as it was."""
     method, rt = build_runtime(cfg)
+    if main:
+        begin_writing(run_dir)
+        remove_stale_temporaries(run_dir)
     results = Results(header(cfg), rt.benchmark.tasks)
     loaded = start_record(cfg, method, rt, results, main)
     position, wandb_id = Position(0, 0), None

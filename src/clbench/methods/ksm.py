@@ -87,9 +87,17 @@ class KSM(ScoredMaskMethod):
 
     def __init__(self, *args: Any) -> None:
         super().__init__(*args)
-        for name, layer in self.layers.items():
-            if not isinstance(layer, MaskedConv2d) and layer.weight.shape[1] % self.config.group:
-                raise ValueError(f"method.group={self.config.group} does not divide {name}'s {layer.weight.shape[1]}")
+        widths = sorted(
+            {layer.weight.shape[1] for layer in self.layers.values() if not isinstance(layer, MaskedConv2d)}
+        )
+        common = math.gcd(*widths)
+        require(
+            common % self.config.group == 0,
+            "method.group",
+            self.config.group,
+            f"a divisor of every masked Linear's input width ({', '.join(map(str, widths))}): "
+            + ", ".join(str(d) for d in range(1, common + 1) if common % d == 0),
+        )
 
     def soft(self, real: torch.Tensor) -> torch.Tensor:
         return soft_mask(real, self.config.temperature, self.config.alpha, self.config.init)
