@@ -1,4 +1,5 @@
-"""Every prompt paper preset against its official code (tests/oracles/official_presets.yaml: each key's official value,
+"""Each paper preset of the table (the prompt methods', the L2P table's L2P rows, HAT's, PackNet's, Piggyback's,
+SupSup's) against its official code (tests/oracles/official_presets.yaml: each key's official value,
 read from the code at a commit, file and line): a key whose composed value differs from the official one must be
 named on a "# Departure keys:" line of the preset or of a preset it extends (whose comment then says why and how to
 get the official value), and a key named there must differ (no stale claims)."""
