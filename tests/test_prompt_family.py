@@ -255,3 +255,26 @@ def test_the_embedded_micro_vit_keeps_the_blocks_and_orthogonal_keys_it_has(capl
     coda, _ = build_runtime(validate(compose_config("method=coda_prompt", *micro)))
     assert dual.e_layers == [2, 3] and coda.layers == [0, 1, 2, 3] and coda.per_task * 3 == 63
     assert "prompting blocks [2, 3]" in caplog.text and "at most 64 orthogonal keys" in caplog.text
+
+
+@pytest.mark.parametrize("method_name", ["l2p", "dualprompt", "coda_prompt"])
+def test_the_official_head_initialisations(method_name: str) -> None:
+    """JAX (google-research/l2p models/vit.py: ``nn.Dense(..., kernel_init=zeros)``): weight and bias 0; the PyTorch
+    ports (timm's init_weights_vit_timm): weight N(0, 0.02) truncated at +-2, bias 0; default: nn.Linear's
+    U(+-1/sqrt(D)) weight and bias (CODA-Prompt's ``nn.Linear(768, num_classes)``). The untrained classes that CIL
+    over all classes scores get heads drawn the same way, the same ones at every evaluation."""
+    bound = 32**-0.5  # TINY's embed_dim 32
+    std = {"zeros": 0.0, "trunc_normal": 0.02, "default": bound / 3**0.5}  # U(-b, b) has std b / sqrt(3)
+    for kind, expected in std.items():
+        method, rt = build_runtime(tiny_config(f"method={method_name}", *SMALL, f"method.head_init={kind}"))
+        method.before_task(rt.benchmark.tasks[0])
+        fresh = method.new_head(500)  # 16,000 weights: their std within 3% of the distribution's
+        for weight, bias in [head(method), (fresh.weight, fresh.bias)]:
+            assert bias.any() == (kind == "default") and bias.abs().max() <= bound
+            assert weight.abs().max() <= (2.0 if kind == "trunc_normal" else bound)
+        assert fresh.weight.std().item() == pytest.approx(expected, rel=0.03)
+        x = rt.test_tf(rt.benchmark.test[0].x[:8], slice(None))
+        untrained = method.untrained_logits(method.features(x, None))
+        assert untrained.shape == (8, sum(t.num_classes for t in rt.benchmark.tasks[1:]))
+        assert untrained.any() == (kind != "zeros")
+        assert torch.equal(untrained, method.untrained_logits(method.features(x, None)))

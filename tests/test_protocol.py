@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,13 @@ import torch
 from clbench.config import validate
 from clbench.data import Benchmark, Split, Task, build_benchmark
 from clbench.errors import ConfigError
+from clbench.evaluation import evaluate
 from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods import METHODS as ALL_METHODS
+from clbench.methods.base import Method
+from clbench.methods.prompting import init_head
 from conftest import TINY, baselines_slow, clbench, compose_config, tiny_config
 
 
@@ -215,3 +219,49 @@ def test_hat_with_the_plateau_schedule_runs_and_needs_a_validation_split(tmp_pat
     cfg = tiny_config("method=hat", "trainer.schedule=plateau", "data.val_fraction=0.2", "trainer.epochs=4")
     results = train(cfg, tmp_path)
     assert results.status == "finished" and results.validation_rows is not None
+
+
+class TwoFeatures(Method):
+    """A method whose feature is the test image's two pixels and whose heads start at zero (the official JAX head):
+    the logits of a trained head are what its weights say, the untrained classes' logits are 0."""
+
+    def __init__(self, benchmark: Benchmark) -> None:
+        backbone = torch.nn.Module()
+        backbone.num_features, backbone.cls_token = 2, torch.nn.Parameter(torch.zeros(1))
+        super().__init__(backbone, benchmark, None)
+
+    def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
+        return x.flatten(1).float()
+
+    def new_head(self, num_classes: int) -> torch.nn.Linear:
+        head = super().new_head(num_classes)
+        init_head(head, "zeros")
+        return head
+
+
+def test_cil_over_all_classes_counts_an_unseen_class_ahead_of_the_seen_ones_as_a_miss() -> None:
+    """Two tasks of two classes, the first trained: the class-0 sample scores (-1, -2) on the seen classes (class 0 is
+    right among the seen ones) and 0 on task 1's untrained classes, which wins the argmax over all classes (the
+    official L2P and DualPrompt codes' CIL): a miss there, a hit over the seen classes; TIL is the same for both."""
+    tasks = [Task(0, (0, 1), ("a", "b"), 0), Task(1, (2, 3), ("c", "d"), 2)]
+    images = torch.tensor([[-1.0, -2.0], [0.0, 0.0]])
+    split = Split(images, torch.tensor([0, 0]))
+    bench = Benchmark("two", tasks, [split, split], [split, split])
+    method = TwoFeatures(bench)
+    method.before_task(tasks[0])
+    with torch.no_grad():
+        method.heads[0].weight.copy_(torch.eye(2))
+
+    def accuracy(cil_classes: str) -> dict[str, list[float | None]]:
+        kwargs = {"transform": lambda x, part: x[part], "batch_size": 4, "autocast": nullcontext()}
+        return evaluate(method, bench, [0], **kwargs, cil_classes=cil_classes).accuracy
+
+    # sample 0: seen logits (-1, -2) -> class 0 (hit); all classes (-1, -2, 0, 0) -> class 2 (miss)
+    # sample 1: seen logits (0, 0) -> class 0 (ties go to the first); all classes (0, 0, 0, 0) -> class 0 (hit)
+    assert accuracy("seen") == {"til": [100.0], "cil": [100.0]}
+    assert accuracy("all") == {"til": [100.0], "cil": [50.0]}
+
+
+def test_cil_over_all_classes_is_refused_for_a_method_that_infers_the_task() -> None:
+    with pytest.raises(ConfigError, match=r"trainer\.cil_classes.*seen with HAT"):
+        validate(compose_config("method=hat", "trainer.cil_classes=all"))

@@ -222,6 +222,9 @@ class TrainerConfig:
     device: str = "auto"  # auto | cpu | cuda
     precision: str = "auto"  # auto (bf16 autocast on CUDA, fp32 on CPU) | bf16 | fp32
     eval_random_init: bool = True  # measure b_j (accuracy before any training) for FWT
+    # The classes CIL's argmax runs over: seen (the protocol: every class of the tasks trained so far) | all (every
+    # class of the benchmark, the untrained heads' scores included: the official L2P and DualPrompt codes' evaluation)
+    cil_classes: str = "seen"
     log_every: int = 20  # train-loss logging period in steps (each log is one host sync)
     # torch.compile the method's forward and loss: auto (on CUDA; off on the CPU, where compiling costs more than it
     # saves) | true | false. A compile failure warns once and trains eagerly.
@@ -263,6 +266,7 @@ class TrainerConfig:
         require(0 <= self.label_smoothing < 1, "trainer.label_smoothing", self.label_smoothing, "a float in [0, 1)")
         require_choice("trainer.device", self.device, ("auto", "cpu", "cuda"))
         require_choice("trainer.precision", self.precision, ("auto", "bf16", "fp32"))
+        require_choice("trainer.cil_classes", self.cil_classes, ("seen", "all"))
         for key in ("compile", "cuda_graphs"):
             value = getattr(self, key)
             require(value in (True, False, "auto"), f"trainer.{key}", value, "auto, true or false")
@@ -424,6 +428,13 @@ def validate(cfg: DictConfig) -> RunConfig:
     method = _typed(method_cls.Config, params, "method")
     require_finite(method, "method")
     check_memory(groups["memory"], method_cls)
+    require(
+        groups["trainer"].cil_classes == "seen" or method_cls.scores_unseen_classes(),
+        "trainer.cil_classes",
+        "all",
+        f"seen with {method_cls.__name__}: it infers the task (or has its own CIL), so it has no scores for the "
+        "classes of tasks it has not trained",
+    )
     seed = cfg.get("seed", 0)
     require(isinstance(seed, int) and 0 <= seed < 2**32, "seed", seed, "an integer in [0, 2**32) (NumPy's seed range)")
     resume = cfg.get("resume", False)

@@ -1,7 +1,9 @@
 """Accuracy of every seen task, per sample, in both scenarios, counted with torchmetrics.
 
 - TIL: the task id is given: ``predict(x, j)`` over task ``j``'s classes.
-- CIL: no task id: ``predict(x, None)`` over all seen classes (task-conditioned methods infer the task).
+- CIL: no task id: ``predict(x, None)`` over all seen classes (task-conditioned methods infer the task); with
+  ``cil_classes="all"`` over every class of the benchmark, those of the tasks not trained yet included (the official
+  L2P and DualPrompt codes' argmax over their one head's every row).
 Nothing in one test sample's prediction depends on the other samples of its batch: the model is in eval
 mode and ViTs have no batch statistics. The counts stay on the device until a task is done; in a multi-process
 run each rank predicts its share of every batch and torchmetrics sums the counts over the ranks.
@@ -64,19 +66,22 @@ def evaluate(
     scenarios: tuple[str, ...] = SCENARIOS,
     ranks: Ranks = Ranks(),  # noqa: B008 (frozen dataclass: the single process)
     split: str = "test",
+    cil_classes: str = "seen",
 ) -> Evaluation:
-    """Evaluate ``task_ids`` on the benchmark's ``split`` (test or validation) in each scenario.
+    """Evaluate ``task_ids`` on the benchmark's ``split`` (test or validation) in each scenario; ``cil_classes``:
+    the classes CIL's argmax runs over, ``seen`` or ``all`` (see the module's docstring).
 
     CIL top-5 is left out (None) for task-conditioned methods: their CIL scores are -inf outside the inferred task,
     so a top-5 past that task's classes would rank ties."""
     was_training = method.training
     method.eval()
     seen = benchmark.tasks[: method.num_seen]
+    scored = benchmark.tasks if cil_classes == "all" else seen  # the tasks whose classes CIL's argmax covers
     device = benchmark.test[0].y.device
-    owner = torch.cat([torch.full((t.num_classes,), t.id, device=device) for t in seen])  # global label -> task
+    owner = torch.cat([torch.full((t.num_classes,), t.id, device=device) for t in scored])  # global label -> task
     widths = {"cil": len(owner)}
     out = Evaluation({s: [] for s in scenarios}, {s: [] for s in scenarios}, {s: [] for s in scenarios}, None)
-    tasks = max(2, len(seen))  # torchmetrics needs two classes; with one seen task the second stays empty
+    tasks = max(2, len(scored))  # torchmetrics needs two classes; with one seen task the second stays empty
     confusion = MulticlassConfusionMatrix(tasks, validate_args=False).to(device) if "cil" in scenarios else None
     for j in task_ids:
         task, data = benchmark.tasks[j], getattr(benchmark, split)[j]
@@ -95,7 +100,7 @@ def evaluate(
                 continue
             x, labels = transform(images, part), batch_labels[part]
             with autocast, method.evaluating(j):
-                logits = method.predict_scenarios(x, j, scenarios)
+                logits = method.predict_scenarios(x, j, scenarios, cil_classes)
             targets = {"til": labels - task.offset, "cil": labels}
             for s, scores in logits.items():
                 as_float = scores.float()
@@ -109,8 +114,8 @@ def evaluate(
             classes = percent(counters[s]["per_class"])
             out.per_class[s] += classes if s == "til" else classes[task.offset : task.offset + task.num_classes]
     if confusion is not None:
-        counts = confusion.compute()[task_ids, : len(seen)].double()
-        share = 100.0 * counts / counts.sum(1, keepdim=True)
+        counts = confusion.compute()[task_ids].double()
+        share = (100.0 * counts / counts.sum(1, keepdim=True))[:, : len(seen)]  # all classes: a row's rest is unseen
         out.task_confusion = [[None if math.isnan(v) else v for v in row] for row in share.tolist()]  # empty row
     method.train(was_training)
     return out

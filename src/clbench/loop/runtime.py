@@ -158,6 +158,7 @@ class Runtime:
             scenarios=scenarios,
             ranks=self.ranks,
             split=split,
+            cil_classes=self.cfg.trainer.cil_classes,
         )
 
 

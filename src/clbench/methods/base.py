@@ -97,6 +97,7 @@ class Method(nn.Module):
         self.memory: Memory | None = None  # set by the loop when the run has a memory budget
         # DER++: the logits of the step's current rows, which the loop stores with them after the step.
         self.stored_logits: torch.Tensor | None = None
+        self.untrained_heads: dict[int, nn.Linear] = {}  # :meth:`untrained_logits`' heads (not trained, not saved)
 
     @staticmethod
     def unused_keys(config: Any) -> dict[str, str]:
@@ -116,8 +117,12 @@ class Method(nn.Module):
             raise RuntimeError(f"tasks must come in order: expected task {self.num_seen}, got {task.id}")
         self.add_head(task.num_classes)
 
+    def new_head(self, num_classes: int) -> nn.Linear:
+        """A freshly initialised head over ``num_classes`` classes (not yet added)."""
+        return nn.Linear(self.backbone.num_features, num_classes, device=self.backbone.cls_token.device)
+
     def add_head(self, num_classes: int) -> nn.Linear:
-        head = nn.Linear(self.backbone.num_features, num_classes, device=self.backbone.cls_token.device)
+        head = self.new_head(num_classes)
         self.heads.append(head)
         return head
 
@@ -213,11 +218,17 @@ class Method(nn.Module):
         return self.seen_logits(self.features(x, None))
 
     @torch.no_grad()
-    def predict_scenarios(self, x: torch.Tensor, task_id: int, scenarios: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    def predict_scenarios(
+        self, x: torch.Tensor, task_id: int, scenarios: tuple[str, ...], cil_classes: str = "seen"
+    ) -> dict[str, torch.Tensor]:
         """``predict(x, task_id)`` as "til" and ``predict(x, None)`` as "cil", for the ``scenarios`` asked, sharing
         the work they have in common: a task-agnostic method runs its forward once for both; a task-conditioned
         one takes the TIL logits from the path of ``task_id`` that its CIL task inference runs anyway. A method
-        with its own CIL inference (an overridden ``predict``: SupSup) predicts each scenario separately."""
+        with its own CIL inference (an overridden ``predict``: SupSup) predicts each scenario separately.
+        ``cil_classes="all"`` (:meth:`scores_unseen_classes` methods): the CIL logits also cover the classes of the
+        tasks not trained yet (:meth:`untrained_logits`)."""
+        if cil_classes == "all" and not self.scores_unseen_classes():
+            raise ValueError(f"{type(self).__name__} has no logits for classes it has not trained")
         if "cil" not in scenarios or type(self).predict is not Method.predict:
             return {s: self.predict(x, task_id if s == "til" else None) for s in scenarios}
         if self.task_conditioned:
@@ -225,8 +236,34 @@ class Method(nn.Module):
             both = {"til": per_task[task_id], "cil": self.lowest_entropy_task(per_task)}
         else:
             feats = self.features(x, None)
-            both = {"til": self.head_logits(feats, task_id), "cil": self.seen_logits(feats)}
+            cil = self.seen_logits(feats)
+            if cil_classes == "all":
+                cil = torch.cat([cil, self.untrained_logits(feats).to(cil.dtype)], dim=1)
+            both = {"til": self.head_logits(feats, task_id), "cil": cil}
         return {s: both[s] for s in scenarios}
+
+    @classmethod
+    def scores_unseen_classes(cls) -> bool:
+        """Whether CIL can take the argmax over every class of the benchmark, the untrained ones included: one head
+        over all classes read without task inference (not a task-conditioned method, nor one with its own CIL)."""
+        return not cls.task_conditioned and cls.predict is Method.predict
+
+    def untrained_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Logits of the classes of the tasks not trained yet, (B, 0) once every task is: the scores a single head
+        over all classes gives them before their task (the official L2P and DualPrompt codes' CIL). Each such task's
+        head is drawn once, as :meth:`new_head` draws it, from its own seed (the run's and the task's), so every
+        evaluation reads the same untrained heads and the run's random stream is untouched; it is not the head the
+        task later trains from (the same distribution, another draw)."""
+        cache = self.untrained_heads
+        logits = [feats.new_zeros(len(feats), 0)]
+        for task in self.tasks[self.num_seen :]:
+            if task.id not in cache:
+                devices = [feats.device] if feats.device.type == "cuda" else []
+                with torch.random.fork_rng(devices=devices):
+                    torch.manual_seed(hash((torch.initial_seed(), task.id)) % 2**63)
+                    cache[task.id] = self.new_head(task.num_classes)
+            logits.append(cache[task.id](feats))
+        return torch.cat(logits, dim=1)
 
     @contextmanager
     def evaluating(self, task_id: int) -> Iterator[None]:

@@ -35,7 +35,7 @@ from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.base import Logs
-from clbench.methods.prompting import PromptMethod, log, within_depth
+from clbench.methods.prompting import HEAD_INITS, PromptMethod, log, within_depth
 
 
 @dataclass
@@ -45,6 +45,7 @@ class CODAPromptConfig:
     layers: list[int] = field(default_factory=lambda: [0, 1, 2, 3, 4])  # prompted blocks (official 0..4)
     ortho_mu: float = 0.0  # weight of the orthogonality loss (official scripts: 0; paper era: 0.1 x 1e-6)
     init: str = "gram_schmidt"  # gram_schmidt: each task's components when it starts (official) | orthogonal
+    head_init: str = "default"  # default: nn.Linear's | trunc_normal: N(0, 0.02) (PyTorch ports) | zeros (JAX code)
 
     def __post_init__(self) -> None:
         require(self.pool_size >= 1, "method.pool_size", self.pool_size, "an integer >= 1")
@@ -53,6 +54,7 @@ class CODAPromptConfig:
         require(ok, "method.layers", self.layers, "a non-empty list of block indices")
         require(self.ortho_mu >= 0, "method.ortho_mu", self.ortho_mu, "a float >= 0")
         require_choice("method.init", self.init, ("gram_schmidt", "orthogonal"))
+        require_choice("method.head_init", self.head_init, HEAD_INITS)
 
 
 def gram_schmidt(rows: torch.Tensor, start: int, end: int, fresh: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key, within_depth
+from clbench.methods.prompting import HEAD_INITS, PromptMethod, cosine, prompt_init, top_k_by_key, within_depth
 
 
 @dataclass
@@ -53,6 +53,7 @@ class DualPromptConfig:
     shared_prompt_pool: bool = True  # task t's E-prompt starts from task t-1's (official)
     batchwise_prompt: bool = False  # the official CIFAR config's per-batch vote at test (a protocol leak; off)
     prompt_init: str = "uniform"  # uniform: U(-1, 1) (PyTorch port) | small: U(0, 0.01) (JAX code)
+    head_init: str = "default"  # default: nn.Linear's | trunc_normal: N(0, 0.02) (PyTorch ports) | zeros (JAX code)
 
     def __post_init__(self) -> None:
         for key in ("g_length", "e_length", "top_k"):
@@ -64,6 +65,7 @@ class DualPromptConfig:
         require(self.pool_size is None or self.pool_size >= 1, "method.pool_size", self.pool_size, "null or >= 1")
         require(self.pull >= 0, "method.pull", self.pull, "a float >= 0")
         require_choice("method.prompt_init", self.prompt_init, ("uniform", "small"))
+        require_choice("method.head_init", self.head_init, HEAD_INITS)
 
 
 class DualPrompt(PromptMethod):

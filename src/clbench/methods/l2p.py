@@ -35,7 +35,7 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key
+from clbench.methods.prompting import HEAD_INITS, PromptMethod, cosine, prompt_init, top_k_by_key
 
 
 @dataclass
@@ -52,6 +52,7 @@ class L2PConfig:
     shared_prompt_key: bool = False  # task_slots only: ... and keys (official: false, shared_prompt_key=False)
     batchwise_prompt: bool = False  # the codes' per-batch majority vote (predictions depend on the batch)
     prompt_init: str = "uniform"  # uniform: U(-1, 1) (PyTorch code) | small: U(0, 0.01) (JAX code)
+    head_init: str = "default"  # default: nn.Linear's | trunc_normal: N(0, 0.02) (PyTorch ports) | zeros (JAX code)
 
     def __post_init__(self) -> None:
         require(self.pool_size >= 1, "method.pool_size", self.pool_size, "an integer >= 1")
@@ -61,6 +62,7 @@ class L2PConfig:
         require_choice("method.layout", self.layout, ("paper", "dualprompt"))
         require_choice("method.diversify", self.diversify, ("none", "frequency", "task_slots"))
         require_choice("method.prompt_init", self.prompt_init, ("uniform", "small"))
+        require_choice("method.head_init", self.head_init, HEAD_INITS)
 
 
 class L2P(PromptMethod):
