@@ -90,8 +90,8 @@ def test_ksm_keeps_a_float16_soft_mask_per_kernel_and_refuses_a_group_that_does_
         cfg = method.config
         expected = ksm_ref.soft_mask(real[name.replace(".", "_")], cfg.temperature, cfg.alpha, cfg.init)
         assert torch.equal(stored, expected.half())
-    with pytest.raises(ValueError, match="does not divide"):
-        started("ksm", "method.group=5")
+    with pytest.raises(ConfigError, match=r"`method.group`: 5. Allowed: a divisor of every masked Linear's input"):
+        started("ksm", "method.group=5")  # TINY's widths: 32 (qkv, fc1) and 128 (fc2)
 
 
 # ------------------------------------------------------------------------------------------------------------- TFM
