@@ -367,18 +367,26 @@ def latex(table: PaperTable, table_lines: list[Line]) -> str:
         "\n".join(
             [
                 f"% {table.title}. Published: {table.citation}",
-                rf"\begin{{tabular}}{{{spec}}}",
-                r"\toprule",
-                head,
-                r"\midrule",
-                *body,
-                r"\bottomrule",
-                *legend_row(len(spec), any(line.reconstructed for line in table_lines)),
-                r"\end{tabular}",
+                *booktabs(spec, head, body, any(line.reconstructed for line in table_lines)),
             ]
         )
         + "\n"
     )
+
+
+def booktabs(spec: str, head: str, body: list[str], reconstructed: bool) -> list[str]:
+    """A booktabs tabular of column ``spec``: ``head``, the ``body`` rows and the † legend where a row is
+    reconstructed."""
+    return [
+        rf"\begin{{tabular}}{{{spec}}}",
+        r"\toprule",
+        head,
+        r"\midrule",
+        *body,
+        r"\bottomrule",
+        *legend_row(len(spec), reconstructed),
+        r"\end{tabular}",
+    ]
 
 
 def legend_row(columns: int, reconstructed: bool) -> list[str]:

@@ -52,7 +52,7 @@ from clbench import paper_table
 from clbench.comparable import differing_keys, setting, short_names
 from clbench.errors import ConfigError
 from clbench.files import check_writable, write_atomic
-from clbench.paper_table import RECONSTRUCTED, legend_row, tex_escape
+from clbench.paper_table import RECONSTRUCTED, booktabs, tex_escape
 
 Run = dict[str, Any]
 SCENARIOS = ("til", "cil")
@@ -339,18 +339,7 @@ def latex(rows: list[Row]) -> str:
         for r in rows
     ]
     spec = "llllr" + "r" * len(COLUMNS)
-    legend = legend_row(len(spec), any(r.reconstructed for r in rows))
-    lines = [
-        rf"\begin{{tabular}}{{{spec}}}",
-        r"\toprule",
-        head,
-        r"\midrule",
-        *body,
-        r"\bottomrule",
-        *legend,
-        r"\end{tabular}",
-    ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(booktabs(spec, head, body, any(r.reconstructed for r in rows))) + "\n"
 
 
 def seen_task_curve(run: Run, scenario: str) -> list[float]:
