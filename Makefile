@@ -27,7 +27,7 @@ run: $(STAMP)  ## the embedded default: finetune on sklearn digits (5 tasks), vi
 TEST_ENV = HF_HUB_OFFLINE=1 WANDB_MODE=offline OMP_NUM_THREADS=1
 TEST_PAR = -n auto --maxprocesses 4
 
-test: $(STAMP)  ## the fast test suite (about 13 minutes on 2 CPU cores)
+test: $(STAMP)  ## the fast test suite (about 12 minutes on 2 CPU cores)
 	$(TEST_ENV) $(PY) -m pytest -q $(TEST_PAR) --durations=15 $(ARGS)
 
 test-all: $(STAMP)  ## every test, slow ones included
