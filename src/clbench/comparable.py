@@ -1,6 +1,6 @@
-"""When two runs may be averaged: their whole configs are equal except for the seed (DESIGN: "Runs are comparable
-only when their configs are equal except for the seed"). One definition serves ``clbench-report``'s rows and the
-W&B group, so the two never disagree. Free of torch and hydra: the report imports it.
+"""When two runs may be averaged: their whole configs are equal except for the seed (clbench's rule: runs are
+comparable only then). One definition serves ``clbench-report``'s rows and the W&B group, so the two never disagree.
+Free of torch and hydra: the report imports it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 labels, task ids and what a method keeps per sample (DER++'s logits), filled by the sampler of the method's paper and
 drawn from on the training device.
 
-Samplers (BASELINES.md §2.2):
+Samplers:
 
 - ``reservoir`` (ER, DER++; mammoth's ``Buffer``, Vitter's algorithm R): every image of every training step is a
   candidate, inserted after the step's optimizer update. The n-th image seen (0-based) takes slot n while the memory

@@ -2,8 +2,7 @@
 
 Houlsby et al., "Parameter-Efficient Transfer Learning for NLP" (ICML 2019), §2 and Fig. 2; official code
 google-research/adapter-bert@1a31fc6 (modeling.py ``feedforward_adapter`` L321-360, the optimised variables
-optimization.py L72-73); MEAT (Xue et al., CVPR 2022) §2.2 and Table 1 compare against it as "Adaptor-BERT". The spec is
-BASELINES.md §11.3.
+optimization.py L72-73); MEAT (Xue et al., CVPR 2022) §2.2 and Table 1 compare against it as "Adaptor-BERT".
 
 An adapter is a bottleneck with an internal skip connection (Houlsby Eq. in §2.1, Fig. 2 right)::
 
@@ -14,7 +13,7 @@ of std ``init_std`` (1e-3) truncated at two standard deviations (TensorFlow's ``
 zero biases, so each adapter starts near the identity. It holds 2md + d + m parameters.
 
 Placement in a timm ``Block`` (pre-norm; Houlsby's BERT is post-norm, so the adapter goes where Fig. 2 puts it: on the
-sub-layer's output after its output projection, before the residual add) [BASELINES §11.3, design choice]::
+sub-layer's output after its output projection, before the residual add) [clbench's choice]::
 
     x <- x + drop_path1(ls1(A1_t(attn(norm1_t(x)))))
     x <- x + drop_path2(ls2(A2_t(mlp(norm2_t(x)))))

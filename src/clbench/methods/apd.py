@@ -1,5 +1,5 @@
 """APD (Yoon, Kim, Yang & Hwang, ICLR 2020): additive parameter decomposition, exact to the official code
-(jaehong31/APD cifar100_apd.py; METHODS.md 9.C).
+(jaehong31/APD cifar100_apd.py).
 
 Every decomposed Linear keeps, for each task t, theta_t = sigma * sigmoid(M_t) + tau_t (+ tau~_g): sigma the weights
 all tasks share (trainable in every task), M_t a mask over output units, tau_t a sparse task-adaptive tensor, tau~_g

@@ -1,25 +1,28 @@
 """BiC, Bias Correction (Wu et al., "Large Scale Incremental Learning", CVPR 2019; official code
 wuyuebupt/LargeScaleIncrementalLearning@7f687a3): full fine-tuning with distillation on the task's data and a herding
-memory, then a two-parameter bias layer on the newest classes' logits (BASELINES.md §9).
+memory, then a two-parameter bias layer on the newest classes' logits.
 
-Rules (§9.1, §9.4), for task t with n old and m new classes:
+Rules (the official code's; the ViT form is clbench's), for task t with n old and m new classes:
 
 - Stage 1 (phase ``train``, ``Phase(data="task+memory")``: the task's images and the memory's shuffled into the same
-  batches, §2.3): L = λ·L_d + (1 − λ)·L_c with λ = n / (n + m) (code: itera/(itera+1), resnet.py L627-632).
+  batches, imagenet_main.py L442-448): L = λ·L_d + (1 − λ)·L_c with λ = n / (n + m) (code: itera/(itera+1),
+  resnet.py L627-632).
   L_c = cross-entropy over every seen class (L603-604). L_d = −Σ softmax(ô/T) log softmax(o/T) over the **old**
   classes (one softmax over all of them), T = 2, no T² (L606-609; :func:`clbench.methods.lwf.distillation`), between
   the teacher's logits ô and the current model's o. The teacher is a frozen copy of the model at the task's start
   (:class:`clbench.methods.lwf.Teacher`: backbone and old heads), on the same augmented batch; its newest block
   (task t − 1's classes) is first corrected with that task's (β, γ) (L560-578): for t ≥ 2, since task 0 has no bias
   stage (its (β, γ) stay (1, 0)). The first task (nothing old, empty memory) trains on its data with L_c alone.
-- Memory (§2.2d): herding on the model's pre-logit features after stage 1 (``memory_sampler = "herding"``,
-  :func:`clbench.memory.herding`), and a held-out validation share (``memory_holdout`` = 0.1: ⌊0.1 · quota⌋ images of
-  each class, at least one; the official ⌊0.1 · nb_proto⌋): a new class's validation images are drawn at random at
-  the task's start and left out of its training; stage 1 never trains on them, nor on the old classes' ones.
+- Memory (imagenet_main.py L493-535): herding on the model's pre-logit features after stage 1
+  (``memory_sampler = "herding"``, :func:`clbench.memory.herding`), and a held-out validation share
+  (``memory_holdout`` = 0.1: ⌊0.1 · quota⌋ images of each class, at least one; the official ⌊0.1 · nb_proto⌋): a new
+  class's validation images are drawn at random at the task's start and left out of its training; stage 1 never trains
+  on them, nor on the old classes' ones.
 - Stage 2 (phase ``bias``, ``Phase(data="validation")``: the held-out images of every seen class, t ≥ 1): only
-  (β_t, γ_t) train (the backbone and the heads are out of the optimizer and run in eval mode without gradients, §9.3
-  defect 1 not copied): q = β_t·o + γ_t on the newest task's logits, the others unchanged; loss = CE over every
-  seen class + ``gamma_penalty``·γ_t²/2 (0.1, L633-637, L661-662); β = 1, γ = 0 initially (L587-595).
+  (β_t, γ_t) train (the backbone and the heads are out of the optimizer and run in eval mode without gradients; the
+  official code's training mode here is not copied): q = β_t·o + γ_t on the newest task's logits, the others
+  unchanged; loss = CE over every seen class + ``gamma_penalty``·γ_t²/2 (0.1, L633-637, L661-662); β = 1, γ = 0
+  initially (L587-595).
 - Prediction: CIL = argmax over [old logits, β_t·newest + γ_t] with the latest task's (β, γ) only (L505-521;
   :meth:`seen_logits`); earlier (β, γ) only shape distillation targets. TIL = the task's own head, uncorrected (an
   affine map with β > 0 leaves the argmax within a block unchanged).
@@ -29,9 +32,9 @@ checkpoint fills them; :meth:`artifacts` saves them (``bias.beta.<t>``, ``bias.g
 the predictions. The teacher exists during a task only (buffers, in the checkpoint mid-task, not in the artifacts).
 
 Departures: the validation images are held out task by task (a class's when it arrives), not for every class of the
-benchmark before the first task (§9.3, 3). ``data.store=stream`` is refused (the stage-1 union of a streamed task
-split and the in-memory memory is not supported). The recipe is clbench's (conf/method/bic.yaml), not BiC's
-ResNet-18 SGD one.
+benchmark before the first task (utils_imagenet.py L39-79). ``data.store=stream`` is refused (the stage-1 union of a
+streamed task split and the in-memory memory is not supported). The recipe is clbench's (conf/method/bic.yaml), not
+BiC's ResNet-18 SGD one.
 """
 
 from __future__ import annotations

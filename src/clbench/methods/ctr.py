@@ -1,5 +1,5 @@
 """CTR (Ke, Liu, Ma, Xu & Shu, NeurIPS 2021): capsules and transfer routing, exact to the official code
-(ZixuanKe/PyContinual, ``BertAdapterCapsuleMaskImp``; METHODS.md 9.D) on a frozen ViT.
+(ZixuanKe/PyContinual src/networks/base/adapters.py, ``BertAdapterCapsuleMaskImp``) on a frozen ViT.
 
 A CL-plugin sits on each residual branch of every block, after the attention and after the MLP:
 
@@ -19,7 +19,7 @@ the KS-layer's d outputs, that multiplies nothing in the forward (``larger_as_sh
 in R's denominator: c is in effect (r + d) / (r + 2d) of its value once the gates close, 0.57 at ViT-Ti with r = 64,
 0.78 at the code's BERT size), is compensated and clamped, and guards the KS-layer's rows; ``false`` leaves it out.
 ``ksm=shared`` is the code's: every task updates the capsules of all tasks <= t, the routing, the similarity estimator
-and the KS-layer, so CTR forgets a little for the sake of transfer; ``ksm=frozen`` (METHODS.md's ablation) trains only
+and the KS-layer, so CTR forgets a little for the sake of transfer; ``ksm=frozen`` (clbench's ablation) trains only
 the task's own capsule and routing, and the estimator and KS-layer with the first task only, for near-zero forgetting.
 
 The code's recipe is not clbench's (conf/method/ctr.yaml): BertAdam (no bias correction, each parameter's gradient

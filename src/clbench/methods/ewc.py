@@ -1,7 +1,7 @@
 """EWC (Kirkpatrick et al., PNAS 2017) and online EWC (Schwarz et al., ICML 2018): full fine-tuning plus a quadratic
 penalty that anchors every parameter to its value after earlier tasks, weighted by the diagonal Fisher information.
 
-Rules (BASELINES.md §4.1, §4.6):
+Rules (the reference codes cited below; the ViT form is clbench's choice):
 
 - Offline EWC: while training task t, L(θ) = L_t(θ) + s λ Σ_{k<t} Σ_i F_{k,i} (θ_i − θ*_{k,i})², one penalty per past
   task, θ*_k the parameters after task k, F_k the diagonal Fisher at θ*_k on task k's data
@@ -11,27 +11,27 @@ Rules (BASELINES.md §4.1, §4.6):
   s λ γ Σ_i F̃_{t−1,i} (θ_i − θ*_i)²: γ is applied once more when the penalty is read, as GMvandeVen reads Schwarz et al.
   [continual_learner.py L74, L299-301, L327, L331]. mammoth's online EWC is ``half=false, gamma=1`` (with γ = 1 the two
   readings agree) [code:aimagelab/mammoth@cb9a36d models/ewc_on.py L37-42, L70-80].
-- Offline without T copies (§4.6): the sum over tasks is kept as A = Σ_k F_k and the Fisher-weighted mean anchor
+- Offline without T copies (clbench's): the sum over tasks is kept as A = Σ_k F_k and the Fisher-weighted mean anchor
   μ = B/A (B = Σ_k F_k θ*_k), plus the scalar R = Σ_i (C_i − B_i²/A_i) (C = Σ_k F_k θ*_k²), so that
   Σ_k F_k (θ − θ*_k)² = A (θ − μ)² + (C − B²/A) exactly. (A, μ, R) carries the same information as (A, B, C) (B = Aμ,
   C = Aμ² + R elementwise) but is updated by the weighted Welford step A' = A + F, μ' = μ + (F/A')(θ* − μ),
   R' = R + Σ A F/A' (θ* − μ)², which never subtracts two large numbers (C − B²/A in float32 cancels): the penalty is
   exactly 0 at θ = θ*_0 after one task, and its gradient 2 s λ A (θ − μ) is 0 at θ = μ.
 
-Fisher (§4.2, §4.6): F = (1/N) Σ_x e(x), one per-example estimate e over the task's N training images, computed in an
-``observe`` phase named ``fisher`` after ``train``: eval mode (no dropout or drop path), the test transform (no
-augmentation), fp32, per-example gradients g_c = ∇_θ log p_θ(c|x) by ``torch.func`` (functional_call + vmap(grad)) in
-chunks of ``fisher_chunk`` examples. The output set O is the seen classes (``loss_scope=seen``) or the task's head
-(``loss_scope=task``). Estimators (``fisher``):
+Fisher (the codes' estimators; where and how it is computed is clbench's choice): F = (1/N) Σ_x e(x), one per-example
+estimate e over the task's N training images, computed in an ``observe`` phase named ``fisher`` after ``train``: eval
+mode (no dropout or drop path), the test transform (no augmentation), fp32, per-example gradients g_c = ∇_θ log p_θ(c|x)
+by ``torch.func`` (functional_call + vmap(grad)) in chunks of ``fisher_chunk`` examples. The output set O is the seen
+classes (``loss_scope=seen``) or the task's head (``loss_scope=task``). Estimators (``fisher``):
 
 - ``sample`` (default): g_ĉ², ĉ ~ p_θ(·|x): an unbiased one-sample estimate of the true Fisher of Kirkpatrick et al.
-  at the cost of one backward per example (GMvandeVen ``sample``; FACIL ``multinomial``); BASELINES §4.6 proposes it.
+  at the cost of one backward per example (GMvandeVen ``sample``; FACIL ``multinomial``); clbench's choice.
 - ``true_label``: g_y², the empirical Fisher (GMvandeVen ``true``).
 - ``expected``: Σ_{c∈O} p_c g_c², the exact true Fisher (GMvandeVen's default ``all``): |O| backwards per example.
 - ``mammoth``: p_y g_y² (mammoth's ewc_on.py L50-58), for mammoth-style runs.
 
-Normalisation by N, the number of examples (not n−1 nor batches × batch size: §4.5). The sums live in device tensors
-handed to the loop by :meth:`EWC.observations`, so a multi-process run adds them up over its ranks.
+Normalisation by N, the number of examples (not GMvandeVen's n−1 nor FACIL's batches × batch size). The sums live in
+device tensors handed to the loop by :meth:`EWC.observations`, so a multi-process run adds them up over its ranks.
 
 Parameters: every trainable parameter that has an anchor: the backbone (all of it: patch embedding, class token,
 position embedding, blocks with their LayerNorms, final norm; unless ``freeze_backbone``) and the heads of past tasks;

@@ -1,23 +1,25 @@
 """GDumb, "Greedy sampler and Dumb learner" (Prabhu, Torr & Dokania, ECCV 2020; official code
 drimpossible/GDumb@4f412d7): a class-balancing greedy memory, and a model trained on that memory alone whenever a
-prediction is needed (BASELINES.md §8).
+prediction is needed.
 
 Rules:
 
-- Sampler (§2.2b, §8.1): the paper's streaming greedy sampler (``memory_sampler = "greedy"``,
-  :meth:`clbench.memory.Memory._greedy`): each task's images in a random stream order; an image of a class not in
-  memory, or of one holding fewer than ⌊k / classes in memory⌋, is stored, evicting (when full) a random image of the
-  class holding most (ties at random); otherwise it is dropped. It needs no task boundary. Not the official code's
-  offline "first ⌊k/C⌋ indices of every class" (§8.2 defect 3) nor mammoth's reservoir (defect 4).
+- Sampler: the paper's streaming greedy sampler, as RaptorMai/online-continual-learning agents/gdumb.py streams it
+  (``memory_sampler = "greedy"``, :meth:`clbench.memory.Memory._greedy`): each task's images in a random stream order;
+  an image of a class not in memory, or of one holding fewer than ⌊k / classes in memory⌋, is stored, evicting (when
+  full) a random image of the class holding most (ties at random); otherwise it is dropped. It needs no task boundary.
+  Not the official code's offline "first ⌊k/C⌋ indices of every class" (src/dataloader.py L74-78) nor mammoth's
+  reservoir (models/gdumb.py).
 - Learner: after every task's memory update, a ``fit`` phase (``Phase(data="memory")``, ``fit_epochs`` epochs)
   trains the whole model on the memory alone, with cross-entropy over the seen classes. Before every fit the model
-  starts "from scratch": on a pretrained backbone that means from the **pretrained weights** (§8.3), so the backbone
-  is reset to the weights it had when the method was built, and the head of every seen task is re-initialised
-  (``reset_parameters``, drawn from the run's seeded torch generator, which every checkpoint saves). Nothing learnt on
-  an earlier task survives but the memory. The refit happens after every task (the paper's "whenever a prediction is
-  needed": every stage of the accuracy matrix is a prediction), not only after the last (§8.3's
-  ``fit_every_task: false``, not offered: the earlier rows would then be untrained heads).
-- Prediction: TIL = the task's own head, CIL = argmax over every seen class (§8.1's masking; clbench's heads, §2.1).
+  starts "from scratch": on a pretrained backbone that means from the **pretrained weights** (clbench's reading), so
+  the backbone is reset to the weights it had when the method was built, and the head of every seen task is
+  re-initialised (``reset_parameters``, drawn from the run's seeded torch generator, which every checkpoint saves).
+  Nothing learnt on an earlier task survives but the memory. The refit happens after every task (the paper's
+  "whenever a prediction is needed": every stage of the accuracy matrix is a prediction), not only after the last
+  (fitting once at the end is not offered: the earlier rows would then be untrained heads).
+- Prediction: TIL = the task's own head, CIL = argmax over every seen class (the official code's masking, src/utils.py
+  L48-64; clbench's heads).
 
 The pretrained weights are kept as a host copy taken when the method is built, not as buffers: a resumed run builds
 the method from the same weights file and seed before loading its checkpoint, so the copy is the same, and the
@@ -26,9 +28,8 @@ checkpoint does not carry a second backbone.
 Departures: CutMix (the official ``--regularization cutmix``) is not available: the loop's mixup/cutmix mixes labels
 over the current task's classes, while the memory holds every seen class, so ``trainer.cutmix`` (and ``mixup``) is
 refused for gdumb (``takes_soft_targets`` is False). The recipe is clbench's (conf/method/gdumb.yaml): the official SGD
-lr 0.05 with cosine warm restarts, batch 16 and 256 passes is for small CNNs trained from scratch (§8.3, UNVERIFIED
-for a ViT). The official best-test-accuracy-over-passes selection (§8.2 defect 1) and fp16 model (defect 2) are not
-copied.
+lr 0.05 with cosine warm restarts, batch 16 and 256 passes is for small CNNs trained from scratch (UNVERIFIED for a
+ViT). The official best-test-accuracy-over-passes selection (src/main.py L37-41) and fp16 model (L12) are not copied.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 MEAT (Xue et al., CVPR 2022) §4 / Table 1: the baseline "duplicates the model by the number of the tasks" and "6 more
 independent models are trained for the new tasks", the upper bound of its task-incremental table. Each copy starts from
-the pretrained weights (BASELINES.md §11.1 [inference]: a from-scratch DeiT could not reach the table's accuracies on
-the fine-grained tasks), never from the previous task's copy.
+the pretrained weights ([inference]: a from-scratch DeiT could not reach the table's accuracies on the fine-grained
+tasks), never from the previous task's copy.
 
 Before task t the backbone as built at setup (``self.backbone``, never trained: it is frozen here) is copied; copy t
 and head t are fully fine-tuned with cross-entropy over the task's classes; after the task both are frozen, and no later

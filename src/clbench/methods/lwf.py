@@ -1,14 +1,14 @@
 """LwF, Learning without Forgetting (Li & Hoiem, ECCV 2016 / TPAMI 2017): fine-tuning on the new task while
 distilling the outputs that the network had at the task's start on the new task's own images.
 
-Rules (BASELINES.md §5.1, §5.3):
+Rules (the paper's Alg. 1 as the reference codes below implement it; the rest clbench's choice):
 
 - Teacher: a frozen deep copy of the backbone and the old heads, taken at the start of every task t > 0 and evaluated
   under no_grad on the **same augmented batch** as the student ("online" teacher, as PackNet's, HAT's and FACIL's
   reference codes do [code:arunmallya/packnet@de4ff7e src/lwf.py; joansj/hat@6fd0b9d src/approaches/lwf.py
   L99-106; mmasana/FACIL@e09d2c8 src/approach/lwf.py L120-146]). The official code records the responses once before
   training on un-augmented images [code:lizhitwo/LearningWithoutForgetting@795176d snippets/PASCALkeeporig.m L161,
-  L182], which mismatches teacher and student inputs under augmentation (§5.2 defect 4): not copied.
+  L182], which mismatches teacher and student inputs under augmentation: not copied.
 - Distillation, no T² factor (official vl_nnsoftmaxdiff.m L74-96):
   KD(z_old, z) = −Σ_c softmax(z_old/T)_c log softmax(z/T)_c, averaged over the batch, whose gradient in z is
   (softmax(z/T) − softmax(z_old/T)) / T. ``scope``: ``til`` sums one KD per old head (original, HAT, PackNet);
@@ -18,7 +18,7 @@ Rules (BASELINES.md §5.1, §5.3):
 - Warm-up (official: the ``_lock`` stage before ``_lockkeep``; PackNet: ``ft_shared_after``): a phase ``warmup`` of
   ``warmup_epochs`` in which only the new head trains (L_new alone: the old heads' outputs cannot change). The backbone
   and old heads are left out of the optimizer and do not require grad, so weight decay and momentum cannot move them
-  (PackNet's zeroed gradients do not prevent that: §5.2 defect 2). Then phase ``train``: everything trains.
+  (PackNet's zeroed gradients do not prevent that). Then phase ``train``: everything trains.
 
 The teacher is a submodule ``teacher`` whose parameters were turned into buffers: ``parameters()`` (the optimizer,
 ``no_weight_decay_ids``, the trainable parameter count) does not see it, ``state_dict()`` (the checkpoint) carries it,
