@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,7 +12,6 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from clbench.config import MemoryConfig
-from clbench.data.stream import DiskImages
 from clbench.errors import ConfigError
 from clbench.loop import task as task_module
 from clbench.loop import train
@@ -38,7 +36,7 @@ def feed_one_by_one(memory: Memory, labels: list[int]) -> list[tuple[tuple[int, 
     for c in labels:
         y = torch.tensor([c])
         plan = memory.plan(None, y)  # type: ignore[arg-type]  # the greedy sampler needs no task
-        memory.write(plan, torch.zeros((len(plan.rows()), 1, 1, 1), dtype=torch.uint8), y[plan.rows()], 0)
+        memory.write(plan, torch.zeros((len(plan.rows()), 1, 1, 1), dtype=torch.uint8), y[plan.rows()], 0, first=0)
         counts = torch.bincount(memory.labels[: memory.capacity][memory.labels[: memory.capacity] >= 0], minlength=3)
         out.append(tuple((c, int(n)) for c, n in enumerate(counts.tolist()) if n))
     return out
@@ -70,7 +68,7 @@ def test_greedy_sampler_ends_balanced_like_the_offline_rule(tasks: int) -> None:
         for labels in parts:
             plan = memory.plan(None, labels)  # type: ignore[arg-type]
             rows = plan.rows()
-            memory.write(plan, torch.zeros((len(rows), 1, 1, 1), dtype=torch.uint8), labels[rows], 0)
+            memory.write(plan, torch.zeros((len(rows), 1, 1, 1), dtype=torch.uint8), labels[rows], 0, first=0)
         counts = torch.bincount(memory.labels[:12], minlength=3).tolist()
         assert counts == [ref.offline_per_class(12, 3)] * 3
 
@@ -152,10 +150,12 @@ def test_distillation_uses_the_bias_corrected_teacher(bic: BiC) -> None:
     assert abs(uncorrected.item() - expected.item()) > 1e-3  # the correction is not a no-op here
 
 
-def test_bic_refuses_a_streamed_store_before_any_work() -> None:
-    streamed = SimpleNamespace(train=[SimpleNamespace(x=object.__new__(DiskImages))], tasks=[])
-    with pytest.raises(ConfigError, match=r"data\.store"):
-        BiC(None, streamed, BiC.Config())  # type: ignore[arg-type]
+@pytest.mark.parametrize("sampler", ["reservoir", "uniform", "greedy"])
+def test_bic_refuses_a_sampler_that_holds_no_validation_images(sampler: str) -> None:
+    """The bias stage trains on the validation images that herding (and balanced) hold out of each class; the other
+    samplers hold none, which would leave (β, γ) untrained: refused before any work."""
+    with pytest.raises(ConfigError, match=r"memory\.sampler.*herding or balanced"):
+        tiny_config(*BIC, f"memory.sampler={sampler}")
 
 
 def test_gdumb_refuses_cutmix() -> None:
@@ -195,8 +195,8 @@ def test_gdumb_fits_on_the_memory_alone_from_the_pretrained_weights(
                 }
             )
 
-    def phase_data(method, phase, split):
-        data = real_data(method, phase, split)
+    def phase_data(method, phase, split, streamed_from=None):
+        data = real_data(method, phase, split, streamed_from)
         if phase.name == "fit":
             held = method.memory.held_split()
             fits[-1]["memory_only"] = torch.equal(data.x, held.x) and torch.equal(data.y, held.y)

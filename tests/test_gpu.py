@@ -8,7 +8,8 @@ hidden host synchronisation in the eager step nor in a graph replay (``torch.cud
 the micro ViT's shape: the compiled, graph-replayed step equal to the eager one (the schedule's rate changing at every
 step), HAT's annealed s, MEAT's Gumbel noise and the crops and flips fresh at every replay, a failed capture stopping
 the run with the way out named. Then runs: a 1-process NCCL DDP run
-through torchrun; streamed batches (data.store=stream) equal to held ones; the zero-forgetting methods' bit-exact TIL;
+through torchrun; streamed batches (data.store=stream) equal to held ones, and a streamed run's memory in pinned host
+memory that the step reads and writes in place; the zero-forgetting methods' bit-exact TIL;
 a run killed mid-task resuming to the uninterrupted run's results.
 
 Marked ``gpu``: deselected by `make test`, skipped cleanly without CUDA. The CPU halves of the comparisons run in
@@ -416,6 +417,62 @@ def test_streamed_batches_reach_the_gpu_equal_to_the_device_store(tmp_path: Path
         assert out.returncode == 0, out.stderr[-3000:]
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("device", "stream"))
     assert a["acc_matrix"] == b["acc_matrix"]
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("method_name", ["er", "derpp"])
+def test_a_streamed_runs_memory_is_pinned_host_memory_the_step_reads_in_place(
+    method_name: str, graphs: bool, tmp_path: Path
+) -> None:
+    """data.store=stream: the memory's images are pinned host memory that the step's kernels address in place (the
+    reservoir's writes land in the host tensor, no GPU copy of the memory), without a host sync in the eager step or
+    the graph's replay; the checkpoint holds the host tensor, and loading it into a fresh memory restores it."""
+    stream = ("data.store=stream", f"data.cache_dir={tmp_path}", "trainer.compile=false")
+    method, rt, run, task = phase_stepper(method_name, *VIT_S, *stream, f"trainer.cuda_graphs={str(graphs).lower()}")
+    memory = method.memory
+    assert memory is not None and memory.host is not None and memory.host.is_pinned()
+    assert memory.images.is_cuda and memory.images.data_ptr() == memory.host.data_ptr()
+    x, y = rt.benchmark.train[0].batch(None, 0, 8)  # read from the cache before the checked steps
+
+    def step() -> None:
+        method.before_step(task, 0, 4)
+        run.stepper(x, y)
+        run.schedule.step()
+
+    for _ in range(WARMUP_STEPS + 1 if graphs else 1):
+        step()
+    torch.cuda.synchronize()
+    assert torch.equal(memory.host[:8], x.cpu())  # the first images offered fill the first slots, in the host tensor
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()  # replays from the memory, and offers the batch to it
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    saved = memory.state_dict()
+    assert saved["images"].device.type == "cpu"
+    fresh, _ = build_runtime(validate(compose_config(f"method={method_name}", "trainer.device=cuda", *VIT_S, *stream)))
+    fresh.memory.load_state_dict(saved)
+    assert fresh.memory.host is not None and torch.equal(fresh.memory.host, memory.host)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_run_replaying_from_pinned_host_memory_gives_the_device_stores_numbers(tmp_path: Path) -> None:
+    """DER++ and BiC streamed on CUDA (the memory in pinned host memory; BiC's first stage streaming the memory's
+    images from the cache) against the device store: the same accuracy matrices and memory."""
+    for method in ("derpp", "bic"):
+        overrides = (*TINY, f"method={method}", "trainer.device=cuda", f"data.cache_dir={tmp_path / 'cache'}")
+        for store in ("device", "stream"):
+            folder = f"hydra.run.dir={tmp_path / method / store}"
+            out = clbench(*overrides, f"data.store={store}", folder, cwd=tmp_path)
+            assert out.returncode == 0, out.stderr[-3000:]
+        a, b = (json.loads((tmp_path / method / s / "results.json").read_text()) for s in ("device", "stream"))
+        assert a["acc_matrix"] == b["acc_matrix"], method
+        assert b["storage"]["memory"]["held_in"].startswith("pinned host memory")
+        assert {**a["storage"]["memory"], "held_in": None} == {**b["storage"]["memory"], "held_in": None}
 
 
 @pytest.mark.gpu

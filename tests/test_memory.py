@@ -87,6 +87,7 @@ def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slo
     assert mem.storage() | {"per_class_counts": None} == {
         "sampler": "reservoir",
         "capacity": 8,
+        "held_in": "cpu",
         "samples": 3,
         "bytes_images": 12,
         "bytes_labels": 24,
@@ -117,14 +118,19 @@ def test_the_balanced_sampler_shrinks_old_classes_to_an_equal_share() -> None:
     mem = memory(6, "balanced")
     labels = torch.tensor([0, 1] * 5)
     plan = mem.plan(TASK, labels)
-    mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0)
+    mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0, first=0)
     assert mem.storage()["per_class_counts"] == [3, 3, 0, 0]
     second = Task(1, (2, 3), ("c", "d"), 2)
     labels = torch.tensor([2, 3] * 5)
     plan = mem.plan(second, labels)
-    mem.write(plan, images_of([100 + r for r in plan.rows()]), labels[plan.rows()], 1)
+    mem.write(plan, images_of([100 + r for r in plan.rows()]), labels[plan.rows()], 1, first=10)
     assert mem.storage()["per_class_counts"] == [1, 1, 1, 1]  # iCaRL's m = 6 // 4 classes each; 2 slots stay free
     assert set(mem.images[:6][mem.labels[:6] >= 2, 0, 0, 0].tolist()) <= {100 + r for r in plan.rows()}
+    # each slot knows where its image came from: task 0's row r is the training data's image r, task 1's row r
+    # (stored as 100 + r) its image 10 + r (task 0 has 10)
+    held = mem.labels[:6] >= 0
+    images = mem.images[:6][held, 0, 0, 0].long()
+    assert torch.equal(mem.source[:6][held], torch.where(images >= 100, images - 100 + 10, images))
 
 
 def test_a_memory_is_refused_where_it_cannot_serve() -> None:
@@ -207,8 +213,15 @@ def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
     assert matrices(tmp_path / "cut") == expected
 
 
-def test_a_streamed_run_replays_what_a_run_held_on_the_device_replays(tmp_path: Path) -> None:
-    overrides = ("method=derpp",)
+@pytest.mark.parametrize(
+    "overrides",
+    [("method=derpp",), ("method=bic", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2")],
+)
+def test_a_streamed_run_replays_what_a_run_held_on_the_device_replays(
+    tmp_path: Path, overrides: tuple[str, ...]
+) -> None:
+    """DER++ replays in the step; BiC's first stage streams the memory's images from the cache with the task's (read
+    from where each came from): both give the device store's numbers."""
     train(tiny_config(*overrides), tmp_path / "device")
     stream = ("data.store=stream", "data.stream_workers=0", f"data.cache_dir={tmp_path / 'cache'}")
     train(tiny_config(*overrides, *stream), tmp_path / "stream")
@@ -272,7 +285,7 @@ def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_st
     trained = phase_data(Owner, Phase("train", 1), split)  # type: ignore[arg-type]
     assert len(trained) == 38 and not set(trained.x[:, 0, 0, 0].tolist()) & set(mem.held_out)
     plan = mem.plan(TASK, labels)
-    mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0)
+    mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0, first=0)
     validation = phase_data(Owner, Phase("bias", 1, data="validation"), split)  # type: ignore[arg-type]
     assert sorted(validation.x[:, 0, 0, 0].tolist()) == mem.held_out
     memory_part = phase_data(Owner, Phase("fit", 1, data="memory"), split)  # type: ignore[arg-type]

@@ -324,6 +324,7 @@ class MemoryConfig:
 
 
 SAMPLERS = ("reservoir", "uniform", "balanced", "herding", "greedy")
+HOLDING_OUT = ("herding", "balanced")  # the samplers that hold a validation share of each class out (BiC's bias stage)
 
 
 @dataclass
@@ -500,6 +501,13 @@ def check_memory(memory: MemoryConfig, method_cls: type) -> None:
         "memory.sampler",
         memory.sampler,
         f"auto or reservoir with {name}: the logits it replays are stored during the training step",
+    )
+    require(
+        not (memory.active and method_cls.memory_holdout and memory_sampler(memory, method_cls) not in HOLDING_OUT),
+        "memory.sampler",
+        memory.sampler,
+        f"auto, {' or '.join(HOLDING_OUT)} with {name}: its bias stage trains on the validation images these samplers "
+        "hold out of each class",
     )
 
 

@@ -88,8 +88,14 @@ class Ranks:
         lives for one phase, in which a method uses the same parameters at every step: a static graph, whose unused
         parameters (other tasks' heads, say) DDP finds once, at the first step. Buffers (masks, owners, counters)
         are not re-broadcast at every forward: the ranks compute the same updates, and DDP aligns them when it
-        wraps."""
+        wraps, but for a rehearsal memory's: every rank inserts the same images, and the memory (gigabytes, maybe
+        in pinned host memory) is not sent again at each phase."""
+        from clbench.memory import Memory  # here: the memory's module imports the data's, which import this one
+
         ddp = nn.parallel.DistributedDataParallel
+        memories = [name for name, sub in module.named_modules() if isinstance(sub, Memory)]
+        kept = [f"{name}.{buffer}" for name in memories for buffer, _ in module.get_submodule(name).named_buffers()]
+        ddp._set_params_and_buffers_to_ignore_for_model(module, kept)
         no_forward_sync = (  # the flag's name since torch 2.15; the old one before
             {"forward_sync_buffers": False}
             if "forward_sync_buffers" in inspect.signature(ddp).parameters

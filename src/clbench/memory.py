@@ -28,6 +28,13 @@ task on. The reservoir, which knows no classes, holds per_class x classes from t
 Draws are made on the device with the default generator (whose state every checkpoint saves): a resumed run draws
 what an uninterrupted one does. Every rank of a multi-process run inserts the whole global batch and draws the same
 slots, so the ranks' memories stay identical.
+
+Where the training images are streamed from the on-disk cache (``data.store=stream``) on CUDA, the memory's images are
+held in pinned host memory that the GPU's kernels address in place (zero-copy, through unified virtual addressing):
+draws, replays and insertions are the same device operations, still without a host sync and replayable in a CUDA
+graph, and the memory takes no GPU memory. Each image a task sampler stores also keeps where it came from (its
+position in the benchmark's training data), so a streamed phase can read the memory's images from the cache with the
+task's (BiC's first stage, :meth:`Memory.held_split`).
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from torch import nn
 
 from clbench.config import MemoryConfig
 from clbench.data import Split, Task
+from clbench.data.stream import DiskImages
 
 STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a ``memory`` phase)
 
@@ -76,12 +84,23 @@ class Memory(nn.Module):
         logits: bool = False,
         holdout: float = 0.0,
         device: torch.device | str = "cpu",
+        host: bool = False,
     ) -> None:
         super().__init__()
         self.sampler, self.per_class, self.num_classes = sampler, config.per_class, num_classes
         self.capacity = config.size if config.size is not None else config.per_class * num_classes
         rows = self.capacity + 1  # the last row is scratch
-        self.register_buffer("images", torch.zeros((rows, *image_shape), dtype=torch.uint8, device=device))
+        device = torch.device(device)
+        # ``host``: the images in pinned host memory that the CUDA device reads and writes in place; the checkpoint
+        # saves and loads them through the host tensor (a copy engine is never handed the mapped address).
+        self.host: torch.Tensor | None = None
+        if host and device.type == "cuda":
+            self.host = torch.zeros((rows, *image_shape), dtype=torch.uint8, pin_memory=True)
+            self.register_buffer("images", mapped_on(self.host, device))
+            self.register_state_dict_post_hook(_save_host_images)
+            self.register_load_state_dict_pre_hook(_load_host_images)
+        else:
+            self.register_buffer("images", torch.zeros((rows, *image_shape), dtype=torch.uint8, device=device))
         self.register_buffer("labels", torch.full((rows,), -1, dtype=torch.long, device=device))
         self.register_buffer("tasks", torch.full((rows,), -1, dtype=torch.long, device=device))
         # Priority of a slot within its class (balanced, herding): a shrink frees a class's highest ranks first.
@@ -89,6 +108,9 @@ class Memory(nn.Module):
         self.register_buffer("offered", torch.zeros((), dtype=torch.long, device=device))  # images offered so far
         # A held-out validation image (BiC): never trained on by the model, only by the bias layer.
         self.register_buffer("validation", torch.zeros(rows, dtype=torch.bool, device=device))
+        # Where a task sampler's image came from: its position in the benchmark's training data, all tasks in order
+        # (-1: stored by a step sampler, which does not record it).
+        self.register_buffer("source", torch.full((rows,), -1, dtype=torch.long, device=device))
         self.holdout = holdout  # the share of each class's images in memory held out for validation
         self.held_out: list[int] = []  # rows of the current task's training data held out of its training
         self.keeps_logits = logits
@@ -105,12 +127,24 @@ class Memory(nn.Module):
     def empty(self) -> bool:
         return self.held == 0
 
-    def held_split(self, validation: bool = False) -> Split:
+    @property
+    def location(self) -> str:
+        """Where the images are held: the training device, or pinned host memory that it addresses in place."""
+        device = self.images.device
+        return f"pinned host memory, read in place by {device}" if self.host is not None else str(device)
+
+    def held_split(self, validation: bool = False, streamed_from: list[Split] | None = None) -> Split:
         """The held training images (GDumb's fit, BiC's first stage) or (``validation``) the held-out validation
-        images (BiC's bias stage) and their labels, as a split."""
+        images (BiC's bias stage) and their labels, as a split. ``streamed_from``: the benchmark's training splits
+        on disk; the images are then read from there (the rows they came from), to be streamed with a task's."""
         part = (self.labels[: self.capacity] >= 0) & (self.validation[: self.capacity] == validation)
         held = part.nonzero().flatten()
-        return Split(self.images[held], self.labels[held])
+        if streamed_from is None:
+            return Split(self.images[held], self.labels[held])
+        source = self.source[held].cpu().numpy()
+        if (source < 0).any():
+            raise RuntimeError(f"the {self.sampler} sampler does not record where its images came from")
+        return Split(DiskImages.cat([split.x for split in streamed_from])[source], self.labels[held])
 
     def get_extra_state(self) -> dict[str, Any]:
         return {"held": self.held, "region": list(self.region), "held_out": list(self.held_out)}
@@ -252,9 +286,10 @@ class Memory(nn.Module):
         return plan
 
     @torch.no_grad()
-    def write(self, plan: Plan, images: torch.Tensor, labels: torch.Tensor, task_id: int) -> None:
+    def write(self, plan: Plan, images: torch.Tensor, labels: torch.Tensor, task_id: int, *, first: int) -> None:
         """Carry out ``plan``: free its slots, then store ``images[i]`` (and ``labels[i]``) of the i-th of
-        :meth:`Plan.rows` in its slot; count what is held."""
+        :meth:`Plan.rows` in its slot; count what is held. ``first``: the position of the task's first training
+        image in the benchmark's training data (where each stored image came from)."""
         if plan.freed:
             self.labels[torch.tensor(plan.freed, device=self.labels.device)] = -1
         if plan.taken:
@@ -267,6 +302,7 @@ class Memory(nn.Module):
             self.tasks[slots] = task_id
             self.rank[slots] = torch.tensor([k for _, k, _ in plan.taken.values()], device=dev)
             self.validation[slots] = torch.tensor([v for _, _, v in plan.taken.values()], device=dev)
+            self.source[slots] = torch.tensor([first + row for row, _, _ in plan.taken.values()], device=dev)
         self.held = int((self.labels[: self.capacity] >= 0).sum())
 
     # ----------------------------------------------------------------------------- bookkeeping
@@ -279,6 +315,7 @@ class Memory(nn.Module):
         return {
             "sampler": self.sampler,
             "capacity": self.capacity,
+            "held_in": self.location,
             "samples": samples,
             "bytes_images": samples * image_bytes,
             "bytes_labels": samples * self.labels.element_size(),
@@ -304,3 +341,41 @@ def herding(features: torch.Tensor, k: int) -> torch.Tensor:
         taken[pick] = True
         total += features[pick]
     return torch.tensor(out, dtype=torch.long)
+
+
+class _MappedHost:
+    """A pinned host tensor described by the CUDA array interface (its address is valid on the device: unified
+    virtual addressing), for :func:`torch.as_tensor` to wrap as a CUDA tensor without a copy; the wrapper keeps this
+    object, and so the host tensor, alive."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "typestr": "|u1",
+            "data": (host.data_ptr(), False),
+            "version": 2,
+        }
+
+
+def mapped_on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (uint8, pinned) as a tensor on CUDA ``device`` that aliases it: kernels read and write host memory."""
+    assert host.is_pinned() and host.dtype == torch.uint8 and host.is_contiguous()
+    mapped = torch.as_tensor(_MappedHost(host), device=device)
+    if mapped.data_ptr() != host.data_ptr():  # as_tensor copied: the host memory was pinned for another device
+        raise RuntimeError(f"pinned host memory could not be mapped on {device}: it was pinned for another device")
+    return mapped
+
+
+def _save_host_images(module: Memory, state: dict[str, Any], prefix: str, _metadata: Any) -> None:
+    """The checkpoint holds the host tensor behind the mapped images (a CPU tensor), not the alias."""
+    state[prefix + "images"] = module.host
+
+
+def _load_host_images(module: Memory, state: dict[str, Any], prefix: str, *_: Any) -> None:
+    """Loading copies the saved images into the host tensor; the alias then stands in for them (a copy to itself)."""
+    key = prefix + "images"
+    if key in state:
+        assert module.host is not None
+        module.host.copy_(state[key])
+        state[key] = module.images

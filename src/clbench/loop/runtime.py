@@ -18,7 +18,7 @@ from clbench import distributed
 from clbench.backbones import build_backbone, input_stats
 from clbench.comparable import method_name
 from clbench.config import RunConfig, config_dir, host_drawn_augmentation, memory_sampler
-from clbench.data import Benchmark, DeviceTransform, Task, build_benchmark
+from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
 from clbench.errors import ConfigError
@@ -142,6 +142,11 @@ class Runtime:
         return any(isinstance(split.x, DiskImages) for split in self.benchmark.train)
 
     @property
+    def streamed_from(self) -> list[Split] | None:
+        """The training splits where they are streamed from disk (None where they are held)."""
+        return self.benchmark.train if self.streamed else None
+
+    @property
     def autocast(self) -> AbstractContextManager:
         return autocast_for(self.device, self.cfg.trainer.precision, cache=not self.accel.graphs)
 
@@ -180,7 +185,10 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
             f"{type(method).__name__}, whose loss is not cross-entropy over the task's classes. Allowed: 0 (off), or a "
             "method that takes mixed targets: meat, packnet, piggyback, supsup, hat, finetune with loss_scope=task."
         )
-    if cfg.memory.active:
+    size = cfg.backbone.img_size
+    transforms = (DeviceTransform(cfg.data, size, mean, std, train=t, device=device) for t in (True, False))
+    rt = Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel, backbone_parts=parts)
+    if cfg.memory.active:  # in pinned host memory where the training images stay on disk
         method.memory = Memory(
             cfg.memory,
             memory_sampler(cfg.memory, type(method)),
@@ -189,10 +197,9 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
             logits=method.memory_logits,
             holdout=method.memory_holdout,
             device=device,
+            host=rt.streamed,
         )
-    size = cfg.backbone.img_size
-    transforms = (DeviceTransform(cfg.data, size, mean, std, train=t, device=device) for t in (True, False))
-    return method, Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel, backbone_parts=parts)
+    return method, rt
 
 
 def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) -> list[str]:
@@ -222,7 +229,7 @@ def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) 
         image = memory.images[0]
         lines.append(
             f"memory: {memory.sampler} sampler, {memory.capacity} images ({budget}) of {tuple(image.shape)} uint8, "
-            f"{memory.capacity * image.numel() / 2**20:.1f} MiB on {memory.images.device}"
+            f"{memory.capacity * image.numel() / 2**20:.1f} MiB in {memory.location}"
             + (f"; {method.replay_draws} x {replay_rows(cfg)} images replayed a step" if method.replay_draws else "")
         )
     return lines

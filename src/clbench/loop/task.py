@@ -75,19 +75,21 @@ def run_task(
             update_memory(method, task, rt)
             method.train()
         elif phase.observe:
-            images += observe_pass(method, task, phase_data(method, phase, split), rt, hooks.stop)
+            images += observe_pass(method, task, phase_data(method, phase, split, rt.streamed_from), rt, hooks.stop)
             method.train()
         elif phase.epochs:
-            data = phase_data(method, phase, split)
+            data = phase_data(method, phase, split, rt.streamed_from)
             run = PhaseRun(method, task, phase, p, split=data, rt=rt, hooks=hooks, resume=start if resumed else None)
             step, seen = run.epochs(step)
             images += seen
     return step, images
 
 
-def phase_data(method: Method, phase: Phase, split: Split) -> Split:
+def phase_data(method: Method, phase: Phase, split: Split, streamed_from: list[Split] | None = None) -> Split:
     """What a training phase trains on (:attr:`Phase.data`): the task's ``split`` (less the images the memory holds
-    out for validation), the memory's training images, both, or the memory's validation images."""
+    out for validation), the memory's training images, both, or the memory's validation images. ``streamed_from``:
+    the benchmark's training splits where they are streamed from disk; both are then streamed together, the memory's
+    images read from where they came from."""
     memory = method.memory
     if memory is not None and memory.held_out and phase.data in ("task", "task+memory"):
         kept = torch.ones(len(split), dtype=torch.bool)
@@ -98,8 +100,9 @@ def phase_data(method: Method, phase: Phase, split: Split) -> Split:
         return split
     if memory is None or memory.empty:
         raise RuntimeError(f"the {phase.name} phase trains on the memory, which holds nothing")
-    held = memory.held_split(validation=phase.data == "validation")
-    return Split.cat([split, held]) if phase.data == "task+memory" else held
+    if phase.data == "task+memory":
+        return Split.cat([split, memory.held_split(streamed_from=streamed_from)])
+    return memory.held_split(validation=phase.data == "validation")
 
 
 @torch.no_grad()
@@ -120,7 +123,8 @@ def update_memory(method: Method, task: Task, rt: Runtime) -> None:
     plan = rt.ranks.broadcast(memory.plan(task, labels, features))
     rows = torch.tensor(plan.rows(), dtype=torch.long, device=split.y.device)
     images = split.batch(rows, 0, len(rows))[0] if len(rows) else split.x[:0]
-    memory.write(plan, images, labels[rows.cpu()], task.id)
+    first = sum(len(s) for s in rt.benchmark.train[: task.id])  # where the task's images start in the training data
+    memory.write(plan, images, labels[rows.cpu()], task.id, first=first)
 
 
 class PhaseRun:

@@ -31,9 +31,11 @@ Rules (the official code's; the ViT form is clbench's), for task t with n old an
 checkpoint fills them; :meth:`artifacts` saves them (``bias.beta.<t>``, ``bias.gamma.<t>``) so clbench-eval reproduces
 the predictions. The teacher exists during a task only (buffers, in the checkpoint mid-task, not in the artifacts).
 
+With ``data.store=stream``, stage 1 streams the memory's images from the on-disk cache with the task's (each was
+stored with its position in the training data), so both stores train on the same batches.
+
 Departures: the validation images are held out task by task (a class's when it arrives), not for every class of the
-benchmark before the first task (utils_imagenet.py L39-79). ``data.store=stream`` is refused (the stage-1 union of a
-streamed task split and the in-memory memory is not supported). The recipe is clbench's (conf/method/bic.yaml), not
+benchmark before the first task (utils_imagenet.py L39-79). The recipe is clbench's (conf/method/bic.yaml), not
 BiC's ResNet-18 SGD one.
 """
 
@@ -49,8 +51,6 @@ from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
-from clbench.data.stream import DiskImages
-from clbench.errors import ConfigError
 from clbench.methods.base import Logs, Method, Phase
 from clbench.methods.lwf import Distills, distillation
 
@@ -103,12 +103,6 @@ class BiC(Distills, Method):
     memory_holdout: ClassVar[float] = 0.1  # of each class's memory share, held out for the bias stage (official)
 
     def __init__(self, backbone, benchmark: Benchmark, config: BiCConfig) -> None:
-        if any(isinstance(split.x, DiskImages) for split in benchmark.train):
-            raise ConfigError(
-                "Invalid value for `data.store`: stream. Allowed: device (or auto where it keeps the images in memory) "
-                "with BiC, whose first stage trains on the task's images and the memory's together: a streamed task "
-                "split cannot be joined with the in-memory rehearsal memory."
-            )
         super().__init__(backbone, benchmark, config)
         self.beta = nn.ParameterList()  # per task; the latest one corrects CIL predictions
         self.gamma = nn.ParameterList()
