@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hydra.errors import ConfigCompositionException
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from clbench.config import config_dir, validate
 from clbench.errors import ConfigError
@@ -112,11 +114,14 @@ def test_every_method_float_must_be_finite() -> None:
 
     checked = []
     for method in options("method"):
-        config_cls = get_class(compose_config(f"method={method}").method._target_).Config
-        for field in (f for f in dataclasses.fields(config_cls) if "float" in str(f.type)):
+        composed = compose_config(f"method={method}")  # once a method; each value set as `++method.NAME=VALUE` sets it
+        fields = dataclasses.fields(get_class(composed.method._target_).Config)
+        for field in (f for f in fields if "float" in str(f.type)):
             for value in ("inf", "-inf", "nan"):
+                cfg = copy.deepcopy(composed)
+                OmegaConf.update(cfg, f"method.{field.name}", float(value), force_add=True)
                 with pytest.raises(ConfigError, match=rf"`method\.{field.name}`: .*{value}"):
-                    validate(compose_config(f"method={method}", f"++method.{field.name}={value}"))
+                    validate(cfg)
                 checked.append(f"{method}.{field.name}")
     assert {"ksm.alpha", "ksm.temperature", "dualprompt.pull", "coda_prompt.ortho_mu"} <= set(checked)
 
