@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 
 .DEFAULT_GOAL := help
 .PHONY: help install run test test-all docs bench table gpu-check gpu-test gpu-test-steps gpu-test-runs gpu-bench \
-	gpu-bench-micro gpu-l2p weights lint format clean
+	gpu-bench-micro gpu-l2p gpu-window gpu-window-dry weights lint format clean
 
 help:  ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-15s %s\n", $$1, $$2}'
@@ -87,6 +87,16 @@ gpu-l2p:  ## on a CUDA GPU: L2P's paper protocol on synthetic CIFAR-100 (ViT-B/1
 	@start=$$(date +%s); $(GPU_ENV) $(GPU_PY) -m clbench experiment=l2p_cifar100_paper \
 	  data=synthetic_cifar100 backbone.pretrained=false logger.mode=disabled hydra.run.dir=outputs/gpu-check/l2p \
 	  && echo "L2P protocol (synthetic CIFAR-100, 10 tasks, ViT-B/16): $$(( $$(date +%s) - start )) s (target <= 120 s)"
+
+# A lent GPU window is 15 minutes in all, 10 a command: gpu-window is one command that stops within 8 minutes (its
+# smoke of every method, then the ViT-B/16 bench of every method in one process), writing JSON under $$OUT
+# (default gpu-window/). gpu-window-dry runs the same command here, its GPU parts stubbed out, and times it.
+gpu-window:  ## on a CUDA GPU: one window's checks in <= 8 min (every method's smoke, the ViT-B/16 bench) into $OUT
+	$(need_cuda)
+	$(GPU_ENV) $(GPU_PY) -m clbench.bench.window $(ARGS)
+
+gpu-window-dry: $(STAMP)  ## gpu-window's command without a GPU (GPU parts stubbed out), timed: into gpu-window-dry/
+	HF_HUB_OFFLINE=1 WANDB_MODE=offline $(PY) -m clbench.bench.window --dry-run --out gpu-window-dry $(ARGS)
 
 weights: $(STAMP)  ## regenerate the shipped micro-ViT weights bit for bit (stroke-glyph pretraining, CPU)
 	$(PY) -m clbench.pretraining.vit_micro $(ARGS)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from clbench.bench.cli import measure, parse
@@ -191,3 +193,49 @@ def test_resume_refuses_a_file_that_is_not_a_bench_report_before_measuring(tmp_p
     said = f"{refused.value.code} {capsys.readouterr().err}"
     assert refused.value.code not in (0, None) and str(out) in said and "Traceback" not in said
     assert out.is_dir() or out.read_bytes() == content  # untouched: nothing was measured
+
+
+def test_in_process_entries_are_measured_one_after_another_in_this_process(tmp_path) -> None:
+    """``--in-process`` (a GPU window's bench): every entry measured here, in the contract's shape; the CPU's peak
+    memory, the process's and not the entry's, left out rather than misreported."""
+    import json
+
+    from clbench.bench.cli import main
+
+    out = tmp_path / "bench.json"
+    main([*TINY, "--in-process", "--methods", "finetune", "reference/timm_train", "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert report["complete"] and report["settings"]["in_process"] is True
+    assert [r["name"] for r in report["results"]] == ["finetune", "reference/timm_train"]
+    assert all(r["step_ms"] > 0 and r["peak_mem_mb"] is None for r in report["results"])
+
+
+def test_the_windows_command_stops_a_part_at_its_share_and_keeps_what_it_wrote(tmp_path) -> None:
+    """A part past its seconds gets SIGINT (pytest then writes the XML of what ran), and the window goes on."""
+    from clbench.bench.window import run_until
+
+    script = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('wound down')\n"
+    run = run_until([sys.executable, "-c", script], 2.0, tmp_path / "part.log")
+    assert run["stopped"] and run["returncode"] == 0 and run["wall_s"] < 30
+    assert (tmp_path / "part.log").read_text().strip() == "wound down"
+
+
+def test_the_smoke_report_counts_passes_failures_and_skips(tmp_path) -> None:
+    from clbench.bench.window import junit_outcomes
+
+    xml = tmp_path / "smoke.xml"
+    xml.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="test_gpu" name="test_a[meat]" time="1.0"/>'
+        '<testcase classname="test_gpu" name="test_a[hat]" time="1.0"><failure message="sync">tb</failure></testcase>'
+        '<testcase classname="test_gpu" name="test_b[hat]" time="0.1"><error message="setup">tb</error></testcase>'
+        '<testcase classname="test_gpu" name="test_c" time="0"><skipped message="no cuda"/></testcase>'
+        "</testsuite></testsuites>"
+    )
+    outcomes = junit_outcomes(xml)
+    assert outcomes["passed"] == 1 and outcomes["skipped"] == 1
+    assert outcomes["failed"] == [
+        {"test": "test_a[hat]", "message": "sync"},
+        {"test": "test_b[hat]", "message": "setup"},
+    ]
+    assert junit_outcomes(tmp_path / "none.xml")["report"] is None  # killed before it wrote anything

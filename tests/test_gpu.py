@@ -518,7 +518,8 @@ def test_without_cuda_the_gpu_suite_skips_cleanly_and_gpu_check_says_why(tmp_pat
     suite = run_command(sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", __file__, cwd=root)
     assert suite.returncode == 0, suite.stdout[-2000:]
     assert "passed" not in suite.stdout and " skipped" in suite.stdout  # collected, every one skipped
-    for target in ("gpu-test-steps", "gpu-test-runs", "gpu-bench", "gpu-bench-micro", "gpu-l2p"):  # each checks first
+    targets = ("gpu-test-steps", "gpu-test-runs", "gpu-bench", "gpu-bench-micro", "gpu-l2p", "gpu-window")
+    for target in targets:  # each checks first
         first_line = run_command("make", "-n", "--no-print-directory", target, cwd=root).stdout.splitlines()[0]
         assert "torch.cuda.is_available()" in first_line and f"make {target} needs a CUDA GPU" in first_line
     for target, first in (("gpu-check", "gpu-test-steps"), ("gpu-bench-micro", "gpu-bench-micro")):  # and says why

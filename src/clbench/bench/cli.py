@@ -4,7 +4,11 @@
 Every figure is the median over ``--repeats`` timings of ``--steps`` steps after ``--warmup`` steps. Each entry
 runs in its own process, so its peak memory is its own (CUDA: max allocated; CPU: max resident set size).
 ``--rounds K`` measures the whole list K times, interleaved, and keeps each entry's median round, so that drift
-of a shared machine affects every entry alike (ratios between entries are then trustworthy).
+of a shared machine affects every entry alike (ratios between entries are then trustworthy). ``--in-process``
+measures every entry in this one process instead (no start-up per entry: a short GPU window fits more of them):
+each entry's CUDA peak is reset before it and its memory freed after it, and a compiled entry starts from fresh
+dynamo caches as every phase of a run does (the on-disk inductor cache serves the kernels entries share); the CPU's
+peak memory is the process's, so it is left out.
 FLOPs of one step are counted with torch's FlopCounterMode on the eager step on every device; model-FLOP
 utilisation = FLOPs / step time / the device's dense bf16 peak (from a table of GPUs, or ``--peak-flops``), null
 where no peak is known (CPU). A method's ``data_ms`` is the part of its step spent fetching the batch and augmenting
@@ -14,6 +18,7 @@ it on the device. Methods step as a run would (``--compile``, ``--cuda-graphs``:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import multiprocessing as mp
@@ -64,10 +69,13 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
     model_entry = name not in bench_data.ENTRIES or name == "finetune/stream"
     flops = step_flops(entry.flops or entry.step) if model_entry else 0
     peak = peak_flops(device, args.peak_flops)
+    peak_mem: float | None
     if device.type == "cuda":
         peak_mem = torch.cuda.max_memory_allocated(device) / 2**20
     elif name in bench_data.MEMORY:
         peak_mem = bench_data.AnonPeak.peak
+    elif args.in_process:
+        peak_mem = None  # the process's peak so far, not this entry's
     else:
         peak_mem = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return {
@@ -78,7 +86,7 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
         "images_per_step": entry.images or args.batch_size,
         "images_per_s": round((entry.images or args.batch_size) / seconds, 1),
         "step_ms": round(1000 * seconds, 2),
-        "peak_mem_mb": round(peak_mem, 1),
+        "peak_mem_mb": None if peak_mem is None else round(peak_mem, 1),
         "mfu": flops / seconds / peak if peak else None,  # exact: the table rounds it for display
         "gflops_per_step": round(flops / 1e9, 3),
         "data_ms": None if data_s is None else round(1000 * data_s, 3),
@@ -121,11 +129,38 @@ def median_round(entries: list[dict[str, Any]]) -> dict[str, Any]:
     return timed_ok[(len(timed_ok) - 1) // 2] if timed_ok else entries[-1]
 
 
-def _child(args: argparse.Namespace, name: str, queue: mp.Queue) -> None:
+def measured_or_error(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """:func:`measure`, or the entry's error (reported in the table: the bench goes on)."""
     try:
-        queue.put(measure(args, name))
-    except Exception as err:  # reported in the table, the bench goes on
-        queue.put({"name": name, "error": f"{type(err).__name__}: {err}"})
+        return measure(args, name)
+    except Exception as err:
+        return {"name": name, "error": f"{type(err).__name__}: {err}"}
+
+
+def _child(args: argparse.Namespace, name: str, queue: mp.Queue) -> None:
+    queue.put(measured_or_error(args, name))
+
+
+def in_this_process(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """``--in-process``: one entry measured here, its CUDA peak its own and its memory given back after it."""
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    try:
+        return measured_or_error(args, name)
+    finally:
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def in_a_fresh_process(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """One entry measured in a spawned process (its peak memory its own)."""
+    queue = mp.get_context("spawn").Queue()
+    proc = mp.get_context("spawn").Process(target=_child, args=(args, name, queue))
+    proc.start()
+    proc.join()
+    return queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"}
 
 
 def at_least(minimum: int) -> Callable[[str], int]:
@@ -191,6 +226,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=at_least(1), default=10)
     parser.add_argument("--repeats", type=at_least(1), default=5)
     parser.add_argument("--rounds", type=at_least(1), default=1, help="measure the list this many times, interleaved")
+    parser.add_argument(
+        "--in-process",
+        action="store_true",
+        help="measure every entry in this process (no start-up per entry; the CPU's peak memory is not measured)",
+    )
     parser.add_argument("--out", type=Path, default=Path("bench.json"))
     parser.add_argument(
         "--resume",
@@ -243,6 +283,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "warmup",
         "steps",
         "repeats",
+        "in_process",
     ]
     return {key: getattr(args, key) for key in keys}
 
@@ -275,7 +316,6 @@ def run_entries(args: argparse.Namespace, done: dict[str, dict[str, Any]]) -> No
     todo = [name for name in args.methods if name not in done]
     if done:
         console.print(f"--resume: {len(done)} entries kept from {args.out}, {len(todo)} to measure")
-    ctx = mp.get_context("spawn")
     rounds: dict[str, list[dict[str, Any]]] = {name: [done[name]] if name in done else [] for name in args.methods}
     began, longest = time.perf_counter(), 0.0
     for r in range(args.rounds):
@@ -285,12 +325,8 @@ def run_entries(args: argparse.Namespace, done: dict[str, dict[str, Any]]) -> No
                 console.print(f"--time-limit: stopped, {left} measurements to go (--resume goes on from here)")
                 write_report(args, [median_round(e) for e in rounds.values() if e], complete=False)
                 sys.exit(3)
-            queue = ctx.Queue()
             start = time.perf_counter()
-            proc = ctx.Process(target=_child, args=(args, name, queue))
-            proc.start()
-            proc.join()
-            entry = queue.get() if not queue.empty() else {"name": name, "error": f"exit code {proc.exitcode}"}
+            entry = (in_this_process if args.in_process else in_a_fresh_process)(args, name)
             entry["wall_s"] = round(time.perf_counter() - start, 1)  # the whole entry: start-up, compiling, timing
             longest = max(longest, entry["wall_s"])
             rounds[name].append(entry)
@@ -342,7 +378,8 @@ def show(args: argparse.Namespace, report: dict[str, Any]) -> None:
         mfu = "-" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
         data = "-" if r["data_ms"] is None else f"{100 * r['data_ms'] / r['step_ms']:.1f}"
         speed = (f"{r['images_per_s']:.1f}", f"{r['step_ms']:.1f}", data, f"{r['gflops_per_step']:.2f}")
-        table.add_row(r["name"], *speed, f"{r['peak_mem_mb']:.0f}", mfu, ratio)
+        peak = "-" if r["peak_mem_mb"] is None else f"{r['peak_mem_mb']:.0f}"
+        table.add_row(r["name"], *speed, peak, mfu, ratio)
     console.print(table, width=max(console.width, 140))  # a SLURM log or a pipe gets every column
     console.print(f"written: {args.out}  (speed relative to reference/timm_train: > 1 is faster)")
     console.print("targets: " + ", ".join(f"{k} {v}" for k, v in ratios.items()))
