@@ -49,9 +49,7 @@ from torch import nn
 from clbench.config import MemoryConfig
 from clbench.data import Split, Task
 from clbench.data.stream import DiskImages
-
-STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a ``memory`` phase)
-
+from clbench.memory_budget import capacity_of, class_quota, held_out
 
 NO_LIMIT = 2**62  # the reservoir offers every image
 
@@ -88,7 +86,7 @@ class Memory(nn.Module):
     ) -> None:
         super().__init__()
         self.sampler, self.per_class, self.num_classes = sampler, config.per_class, num_classes
-        self.capacity = config.size if config.size is not None else config.per_class * num_classes
+        self.capacity = capacity_of(config, num_classes)
         rows = self.capacity + 1  # the last row is scratch
         device = torch.device(device)
         # ``host``: the images in pinned host memory that the CUDA device reads and writes in place; the checkpoint
@@ -158,7 +156,7 @@ class Memory(nn.Module):
     def validation_share(self, quota: int) -> int:
         """Of a class's ``quota`` images in memory, those held out for validation: ⌊holdout · quota⌋, at least one
         (BiC's code: ⌊0.1 · nb_proto⌋ of its nb_proto exemplars a class)."""
-        return max(1, int(self.holdout * quota)) if self.holdout else 0
+        return held_out(self.holdout, quota)
 
     def start_task(self, task: Task, labels: torch.Tensor) -> None:
         """At a task's start (``labels``: its training images' labels, on the host): the validation images held out of
@@ -183,7 +181,7 @@ class Memory(nn.Module):
 
     def quota(self, seen_classes: int) -> int:
         """Images a class keeps once ``seen_classes`` classes have been seen (balanced and herding samplers)."""
-        return self.per_class if self.per_class is not None else self.capacity // seen_classes
+        return class_quota(self.per_class, self.capacity, seen_classes)
 
     # ----------------------------------------------------------------------------- reservoir (in the step)
     def insert(
