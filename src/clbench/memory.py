@@ -147,6 +147,31 @@ class Memory(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         return {"held": self.held, "region": list(self.region), "held_out": list(self.held_out)}
 
+    def problems(self, tasks: list[Task]) -> list[str]:
+        """What a restored memory holds that no run writes: a label outside the benchmark's classes or not of its
+        slot's task, and a count of held images its labels contradict (a task sampler's count is its filled slots; the
+        reservoir's, the images offered, fills min(count, capacity) slots; the uniform sampler's, at least its filled
+        slots). An empty list where it is consistent."""
+        labels, owner = self.labels[: self.capacity].cpu(), self.tasks[: self.capacity].cpu()
+        filled = labels >= 0
+        out = []
+        outside = labels[(labels < -1) | (labels >= self.num_classes)].unique()
+        if len(outside):
+            out.append(f"memory labels {outside[:5].tolist()} outside -1 (empty) .. {self.num_classes - 1}")
+        else:
+            lo = torch.tensor([t.offset for t in tasks])
+            hi = lo + torch.tensor([t.num_classes for t in tasks])
+            known = filled & (owner >= 0) & (owner < len(tasks))
+            slot_task = owner.clamp(0, len(tasks) - 1)
+            stray = filled & (~known | (labels < lo[slot_task]) | (labels >= hi[slot_task]))
+            if stray.any():
+                out.append(f"{int(stray.sum())} memory images whose label is not of the task recorded with it")
+        count, n = self.held, int(filled.sum())
+        expected = {"reservoir": min(count, self.capacity) == n, "uniform": count >= n}
+        if not expected.get(self.sampler, count == n):
+            out.append(f"a memory count of {count} held images where its labels fill {n} of its slots")
+        return out
+
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.held = int(state["held"])
         lo, length, limit = (int(v) for v in state["region"])

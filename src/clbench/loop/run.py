@@ -77,17 +77,17 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
 
 def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
     """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from. A run refused while its
-    method and data are built (a value only the built model can check, missing data) has not begun to write the
-    folder: the CLI gives it back as it was."""
+    method and data are built (a value only the built model can check, missing data) or its checkpoint is loaded into
+    them (values that do not fit) has not begun to write the folder: the CLI gives it back as it was."""
     method, rt = build_runtime(cfg)
-    if main:
-        begin_writing(run_dir)
-        remove_stale_temporaries(run_dir)
     results = Results(header(cfg), rt.benchmark.tasks)
     loaded = start_record(cfg, method, rt, results, main)
     position, wandb_id = Position(0, 0), None
-    if saved is not None:
-        position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results)
+    if saved is not None:  # a checkpoint that does not fit the run its config builds is refused here too
+        position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results, path=run_dir / checkpoint.FILE)
+    if main:
+        begin_writing(run_dir)
+        remove_stale_temporaries(run_dir)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
     tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
     results.header["wandb"] = tracker.identity()
