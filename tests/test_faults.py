@@ -172,7 +172,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid_and_a_killed_holder_fre
     run_dir.mkdir()
     holder = subprocess.Popen(  # a clbench process holding the folder (as a running run does)
         [sys.executable, "-c", f"from pathlib import Path; from clbench.files import lock_run_folder; "
-         f"lock_run_folder(Path({str(run_dir)!r})); print('held', flush=True); import time; time.sleep(120)"],
+         f"lock_run_folder(Path({str(run_dir)!r})); print('held', flush=True); import time; time.sleep(10**6)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
