@@ -127,6 +127,8 @@ def existing_run(folder: Path) -> str | None:
         status = json.loads(results.read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         return "a run (its results.json cannot be read)"
+    if status == "running":  # a run killed before it could say otherwise, or one that runs now
+        return "a run that did not finish (its results.json says running)"
     return f"{'an' if str(status)[:1] in 'aeiou' else 'a'} {status} run" if isinstance(status, str) else "a run"
 
 
