@@ -282,6 +282,21 @@ def test_lwf_config_is_validated() -> None:
             tiny_config("method=lwf", bad)
 
 
+@pytest.mark.parametrize("method", ["lwf", "bic"])
+def test_a_temperature_fp32_cannot_compute_with_is_refused_naming_the_limit(method: str) -> None:
+    """The distillation divides fp32 logits by T: T must be an fp32 number, i.e. at least the smallest normal fp32,
+    2**-126 (below, fp32 holds it as a subnormal or 0, and the gradient's 1/T exceeds fp32's largest, 3.4e38, once T <
+    1 / 3.4e38). Before, T=1e-300 passed and trained to NaN."""
+    tiny = 2.0**-126
+    assert (
+        float(torch.tensor(1e-300, dtype=torch.float32)) == 0.0
+        and float(torch.tensor(tiny, dtype=torch.float32)) == tiny
+    )
+    with pytest.raises(ConfigError, match=r"`method\.T`: 1e-300\. Allowed: a finite float >= 1\.175e-38 \(2\*\*-126"):
+        tiny_config(f"method={method}", "method.T=1e-300")
+    assert tiny == tiny_config(f"method={method}", f"method.T={tiny!r}").method.T
+
+
 # ----------------------------------------------------------------------------------------------------- end to end
 def til(run_dir: Path) -> dict:
     return json.loads((run_dir / "results.json").read_text())

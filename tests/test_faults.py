@@ -75,9 +75,8 @@ def test_bad_values_are_refused_before_training(overrides: tuple[str, ...], key:
 
 
 def test_a_refused_run_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
-    """A refused resume, and a new run refused in a finished run's folder (by its config, or by a value only the
-    built model can check), leave the folder as it was: before, Hydra's .hydra files and clbench.log were rewritten
-    and `clbench-eval` refused the folder."""
+    """A refused resume leaves the folder as it was: before, Hydra's .hydra files and clbench.log were rewritten and
+    `clbench-eval` refused the folder."""
     run_dir = tmp_path / "run"
     assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
     (run_dir / files.PID_FILE).write_text("4242\n")  # what a killed run leaves behind
@@ -85,10 +84,62 @@ def test_a_refused_run_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
     out = clbench(*TINY_RUN, "seed=5", "trainer.lr=0.01", "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
     refused(out, "seed: checkpoint 0, now 5", "trainer.lr: checkpoint 0.001, now 0.01")
     assert snapshot(run_dir) == before  # .hydra files, clbench.log, the PID file, results.json, checkpoint
-    # TINY's Linears take 32 (qkv, proj, fc1) and 4 x 32 = 128 (fc2) inputs: a group must divide both
-    out = clbench(*TINY_RUN, "method=ksm", "method.group=3", f"hydra.run.dir={run_dir}", cwd=tmp_path)
-    refused(out, "`method.group`: 3", "(32, 128): 1, 2, 4, 8, 16, 32.")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "why"),
+    [
+        ((), "holds a finished run already"),  # a valid run: never written over a finished one
+        (("method=bic", "memory.per_class=1"), "holds a finished run already"),  # crashed after task 0, before
+        (("method=gdumb", "memory.sampler=reservoir"), "`memory.sampler`: 'reservoir'"),  # crashed at task 0's fit
+        (("method=ksm", "method.group=3"), "holds a finished run already"),  # a value only the built model refuses
+    ],
+)
+def test_no_later_run_changes_a_finished_runs_folder(tmp_path: Path, overrides: tuple[str, ...], why: str) -> None:
+    """A new run pointed at a finished run's folder is refused before anything is written. Before, BiC with one image
+    a class and GDumb with a reservoir ran into it, crashed once training started, and left it with results.json
+    rewritten as failed with empty matrices, the CSVs emptied, .hydra rewritten (and BiC's checkpoint.pt)."""
+    run_dir = tmp_path / "run"
+    assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    before = snapshot(run_dir)
+    refused(clbench(*TINY_RUN, *overrides, f"hydra.run.dir={run_dir}", cwd=tmp_path), why)
     assert snapshot(run_dir) == before
+
+
+def test_a_finished_run_resumed_is_left_as_it_was(tmp_path: Path) -> None:
+    """resume=true (or a requeued job's resume=auto) on a finished run has nothing to do: it says so, exits 0 and writes
+    nothing (a failure there could otherwise write `failed` over the finished results)."""
+    run_dir = tmp_path / "run"
+    assert clbench(*TINY_RUN, f"hydra.run.dir={run_dir}", cwd=tmp_path).returncode == 0
+    before = snapshot(run_dir)
+    out = clbench(*TINY_RUN, "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+    assert out.returncode == 0 and "holds a finished run: nothing to resume" in out.stdout + out.stderr, out.stderr
+    assert snapshot(run_dir) == before
+    (run_dir / "checkpoint.pt").unlink()  # a finished run whose checkpoint was deleted to save space
+    before = snapshot(run_dir)
+    refused(clbench(*TINY_RUN, "resume=auto", f"hydra.run.dir={run_dir}", cwd=tmp_path), "holds a finished run")
+    assert snapshot(run_dir) == before
+
+
+@pytest.mark.parametrize("overrides", [("data=cifar100_10tasks",), ("method=ksm", "method.group=3")])
+def test_a_refused_run_leaves_no_folder_behind(tmp_path: Path, overrides: tuple[str, ...]) -> None:
+    """Refused once Hydra has written the folder (missing data; a value only the built model refuses): the folder
+    made for it, and its parents made with it, are removed; an existing parent is kept."""
+    out = clbench(*TINY_RUN, *overrides, f"hydra.run.dir={tmp_path / 'new' / 'day' / 'run'}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_a_sweep_is_never_written_over_an_earlier_one_and_its_refused_jobs_leave_no_folder(tmp_path: Path) -> None:
+    sweep = tmp_path / "sweep"
+    out = clbench("-m", *TINY_RUN, "seed=0", "method=ksm", "method.group=1,3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert len(jobs) == 1 and jobs[0].startswith("0_")  # the refused job (group=3) left none
+    before = snapshot(sweep)
+    out = clbench("-m", *TINY_RUN, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
+    refused(out, f"The sweep folder {sweep} holds runs already (1 jobs' folders: {jobs[0]})", "resume=auto")
+    assert snapshot(sweep) == before
 
 
 def test_a_bad_value_is_refused_before_hydra_writes_the_folder(
@@ -121,7 +172,7 @@ def test_a_second_writer_is_refused_with_the_holders_pid_and_a_killed_holder_fre
     run_dir.mkdir()
     holder = subprocess.Popen(  # a clbench process holding the folder (as a running run does)
         [sys.executable, "-c", f"from pathlib import Path; from clbench.files import lock_run_folder; "
-         f"lock_run_folder(Path({str(run_dir)!r})); print('held', flush=True); import time; time.sleep(120)"],
+         f"lock_run_folder(Path({str(run_dir)!r})); print('held', flush=True); import time; time.sleep(10**6)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:

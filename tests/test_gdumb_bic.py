@@ -259,3 +259,21 @@ def test_the_loss_of_stage_one_on_task_zero_is_plain_cross_entropy() -> None:
     fresh.eval()
     loss, _ = fresh.training_loss(x, y, task)
     assert loss.item() == pytest.approx(F.cross_entropy(fresh.seen_logits(fresh.features(x, 0)), y).item())
+
+
+def test_gdumb_refuses_a_fit_of_no_epochs_however_it_is_asked_for() -> None:
+    """fit_epochs=null takes trainer.epochs: with 0, GDumb's only training would not run and an untrained model's
+    accuracy would be written as GDumb's (fit_epochs=0 itself is refused)."""
+    with pytest.raises(ConfigError, match=r"`trainer\.epochs`: 0.*method\.fit_epochs"):
+        tiny_config("method=gdumb", "method.fit_epochs=null", "trainer.epochs=0")
+    with pytest.raises(ConfigError, match=r"`method\.fit_epochs`: 0"):
+        tiny_config("method=gdumb", "method.fit_epochs=0")
+    assert tiny_config("method=gdumb", "method.fit_epochs=3", "trainer.epochs=0").method.fit_epochs == 3
+
+
+@pytest.mark.parametrize("sampler", ["reservoir", "uniform"])
+def test_gdumb_refuses_a_sampler_that_fills_the_memory_in_training_steps(sampler: str) -> None:
+    """GDumb takes no training step on a task's images (its fit trains on the memory alone), and the reservoir and
+    uniform samplers store images during such steps: the fit would find the memory empty, at task 0."""
+    with pytest.raises(ConfigError, match=rf"`memory\.sampler`: '{sampler}'.*greedy"):
+        tiny_config(*GDUMB, f"memory.sampler={sampler}")

@@ -291,3 +291,86 @@ def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_st
     memory_part = phase_data(Owner, Phase("fit", 1, data="memory"), split)  # type: ignore[arg-type]
     assert len(memory_part) == 18 and not set(memory_part.x[:, 0, 0, 0].tolist()) & set(mem.held_out)
     assert mem.storage()["validation_samples"] == 2
+
+
+# ----------------------------------------------------------------------------- budgets refused before any work
+@pytest.mark.parametrize("method", ["er", "derpp", "gdumb", "bic"])
+def test_memory_none_drops_the_budget_a_method_sets_and_a_replaying_method_refuses_to_run(method: str) -> None:
+    """`memory=none` means no memory whatever the method's YAML or a preset sets (it used to be ignored: the YAML's 20
+    images a class came after it); a method that replays then refuses to run, naming the budget it needs."""
+    with pytest.raises(ConfigError, match=r"`memory\.per_class`: None.*needs a budget.*memory=none"):
+        tiny_config(f"method={method}", "memory=none")
+    assert tiny_config(f"method={method}", "memory=none", "memory.per_class=3").memory.per_class == 3
+    assert tiny_config(f"method={method}").memory.per_class == 20  # the method's own budget by default
+
+
+def test_memory_none_gives_a_preset_that_can_run_without_a_memory_none() -> None:
+    cfg = tiny_config("experiment=l2p_table1_l2p_r_10", "memory=none")
+    assert not cfg.memory.active and cfg.method_target.endswith("L2P")
+
+
+def refused_at_build(key: str, value: object, limit: str, *overrides: str) -> None:
+    with pytest.raises(ConfigError, match=rf"`{key}`: {value}\. Allowed: {limit}"):
+        build_runtime(tiny_config(*overrides))
+
+
+def test_budgets_the_samplers_cannot_keep_are_refused_with_the_limit() -> None:
+    """Each limit from the rules: a class keeps per_class (or size // classes seen) images, at least one; BiC holds
+    ⌊0.1 x quota⌋ of them, at least one, out for its bias stage and trains on the rest, so it needs a quota of 2, and
+    ⌊0.1 x quota⌋ < the class's training images, i.e. quota < 10 x the smallest class."""
+    sizes = [
+        [int(n) for n in torch.bincount(split.y).tolist() if n]
+        for split in build_runtime(tiny_config())[1].benchmark.train
+    ]
+    classes, smallest = sum(map(len, sizes)), min(min(s) for s in sizes)
+    refused_at_build("memory.per_class", 1, "at least 2 ", "method=bic", "memory.per_class=1")
+    refused_at_build(
+        "memory.size", 5, f"at least {2 * classes} ", "method=bic", "memory.per_class=null", "memory.size=5"
+    )
+    big = 10 * smallest + 5
+    refused_at_build("memory.per_class", big, f"at most {10 * smallest - 1} ", "method=bic", f"memory.per_class={big}")
+    refused_at_build(
+        "memory.size", 3, f"at least {classes} ", "method=er", "memory.sampler=balanced", "memory.per_class=null",
+        "memory.size=3",
+    )  # fmt: skip
+    build_runtime(tiny_config("method=bic", "memory.per_class=2"))  # the limits themselves are accepted
+    build_runtime(tiny_config("method=bic", f"memory.per_class={10 * smallest - 1}"))
+
+
+def slot_bytes(memory: Memory) -> int:
+    """The bytes of a built memory's buffers that hold a row per slot (its scratch row included)."""
+    rows = memory.capacity + 1
+    return sum(b.numel() * b.element_size() for b in memory.buffers() if b.dim() and len(b) == rows)
+
+
+def test_a_memory_or_a_replay_that_cannot_be_allocated_is_refused_before_allocation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Against the free memory where the memory is held (here the host, said to have 1 MiB free): the limit is what
+    the memory's own buffers take a slot (measured on a built memory), and a replayed image its uint8 copy plus its
+    fp32 input at the backbone's size."""
+    from clbench.loop import runtime
+
+    free = 2**20
+    monkeypatch.setattr(runtime, "free_memory", lambda device: free)
+    method, rt = build_runtime(tiny_config("method=derpp", "memory.per_class=1"))
+    assert method.memory is not None
+    per_slot = slot_bytes(method.memory) // (method.memory.capacity + 1)
+    classes = rt.benchmark.num_classes
+    refused_at_build(
+        "memory.per_class", 1000000000, f"at most {(free // per_slot - 1) // classes} here", "method=derpp",
+        "memory.per_class=1000000000",
+    )  # fmt: skip
+    refused_at_build(
+        "memory.size", 100000000000, f"at most {free // per_slot - 1} here", "method=derpp", "memory.per_class=null",
+        "memory.size=100000000000",
+    )  # fmt: skip
+    image = rt.benchmark.train[0].x[0]
+    per_image = image.numel() + 3 * rt.cfg.backbone.img_size**2 * 4
+    er, _ = build_runtime(tiny_config("method=er", "memory.per_class=1"))
+    assert er.memory is not None
+    left = free - slot_bytes(er.memory)
+    refused_at_build(
+        "memory.batch_size", 1000000000, f"at most {left // per_image} here", "method=er", "memory.per_class=1",
+        "memory.batch_size=1000000000",
+    )  # fmt: skip

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from omegaconf import OmegaConf
 from clbench.config import validate
 from clbench.errors import ClbenchError, ConfigError, DataError
 from clbench.loop import train
+from clbench.loop.divergence import blame
 from clbench.loop.optim import lr_factor
 from clbench.loop.runtime import Runtime, build_runtime
 from clbench.loop.task import run_task
@@ -153,6 +155,44 @@ def test_a_nan_loss_stops_the_run_naming_where(
         run_tiny(tmp_path, "trainer.eval_random_init=false", f"trainer.log_every={log_every}")
     res = json.loads((tmp_path / "results.json").read_text())
     assert res["status"] == "failed" and "Diverged" in res["failure"] and len(res["acc_matrix"]["til"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "from_call", "blamed"),
+    [
+        ("lwf", 1, r"the loss's term kd went non-finite at the phase's step 1 \(loss inf, kd inf\), before any update"),
+        ("bic", 2, r"the first non-finite value was the loss's term kd at the phase's step 2 \(.*\), while ce stayed"),
+    ],
+)
+def test_the_nan_guard_names_the_term_that_went_non_finite_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, from_call: int, blamed: str
+) -> None:
+    """A term of the loss that overflows on its own (here the distillation, made infinite from its ``from_call``-th
+    call: task 1's train phase) is named with the values of the loss's parts at that step, and the learning rate is
+    not blamed (before, every NaN was "lower trainer.lr")."""
+    module = importlib.import_module(f"clbench.methods.{method}")
+    real, calls = module.distillation, {"n": 0}
+
+    def overflowing(*args: object) -> torch.Tensor:
+        calls["n"] += 1
+        return real(*args) * (float("inf") if calls["n"] >= from_call else 1.0)
+
+    monkeypatch.setattr(module, "distillation", overflowing)
+    overrides = (f"method={method}", "trainer.epochs=1", "trainer.log_every=1", "trainer.eval_random_init=false")
+    with pytest.raises(FloatingPointError, match=rf"at task 1 \(train phase\), epoch 0, step \d+; {blamed}") as err:
+        run_tiny(tmp_path, *overrides, *(("memory.per_class=4", "method.bias_epochs=1") if method == "bic" else ()))
+    assert "trainer.lr" not in str(err.value) and "method.*" in str(err.value)
+
+
+def test_the_nan_guard_blames_what_the_values_at_the_first_non_finite_step_point_at() -> None:
+    """Each case of :func:`clbench.loop.divergence.blame`: only after an update can the learning rate be the cause."""
+    inf, nan = float("inf"), float("nan")
+    assert "lower trainer.lr" in blame({"loss": nan}, 3)
+    assert "before any update" in blame({"loss": nan}, 0) and "trainer.lr" not in blame({"loss": nan}, 0)
+    both = blame({"loss": nan, "ewc_penalty": nan}, 4)  # one term, after an update: either cause
+    assert "ewc_penalty overflowed on its own" in both and "lower trainer.lr" in both
+    assert "while ce stayed finite" in blame({"loss": inf, "kd": inf, "ce": 0.5}, 4)
+    assert "logged terms stayed finite" in blame({"loss": inf, "kd": 0.5}, 4)
 
 
 def test_frozen_backbone_finetune_leaves_backbone_bit_identical() -> None:

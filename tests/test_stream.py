@@ -239,17 +239,43 @@ def reader_workers() -> list[int]:
     return [worker for server in servers for worker in children(server)]
 
 
-def test_reader_workers_outlive_the_stop_signals_a_job_gets(folder: Path) -> None:
-    """SLURM and a terminal's Ctrl-C signal every process of the job, the reader workers too: they ignore SIGTERM and
-    SIGINT, so the training process can finish its steps (under torchrun, up to the ranks' next agreement), write its
-    checkpoint and shut them down itself."""
+class SignalOnArrival:
+    """A ``rows`` argument that reads every row (None) and, unpickled in a reader worker (the first thing a new worker
+    does: its dataset arrives pickled), raises ``signum`` in it there and then, before the worker has run a line of
+    its own or of the DataLoader's: the earliest moment a terminal's or SLURM's signal can reach it, without timing."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+
+    def __call__(self, n: int) -> None:
+        return None
+
+    def __reduce__(self) -> tuple:
+        return (signal.raise_signal, (self.signum,))
+
+
+@pytest.mark.parametrize(
+    ("on_arrival", "once_running"),
+    [(None, (signal.SIGTERM, signal.SIGINT)), (signal.SIGTERM, (signal.SIGINT,)), (signal.SIGINT, (signal.SIGTERM,))],
+    ids=["once-running", "sigterm-on-arrival", "sigint-on-arrival"],
+)
+def test_reader_workers_outlive_the_stop_signals_a_job_gets(
+    folder: Path, on_arrival: int | None, once_running: tuple[int, ...]
+) -> None:
+    """SLURM and a terminal's Ctrl-C signal every process of the job, the reader workers too, at any moment: they
+    ignore SIGINT and the first SIGTERM from the moment they exist (a signal that arrives before their handlers are
+    set waits for them), so the training process can finish its steps (under torchrun, up to the ranks' next
+    agreement), write its checkpoint and shut them down itself. Before, a signal that reached a worker before its
+    handlers killed it ("DataLoader worker ... exited unexpectedly")."""
     split = build_benchmark(stream_config(folder, store="stream", stream_workers=2)).train[0]
-    batches = split.batches(2, order=torch.arange(len(split)))
-    first = next(batches)
+    expected = [x for x, _ in split.batches(2, order=torch.arange(len(split)))]
+    rows = SignalOnArrival(on_arrival) if on_arrival is not None else None
+    batches = split.batches(2, order=torch.arange(len(split)), rows=rows)
+    got = [next(batches)[0]]
     workers = reader_workers()
     assert len(workers) == 2
-    for pid in workers:
-        os.kill(pid, signal.SIGTERM)
-        os.kill(pid, signal.SIGINT)
-    rest = list(batches)  # a worker killed by the signal would fail this with "DataLoader worker ... killed"
-    assert len(rest) + 1 == split.num_batches(2) and torch.equal(first[0], split.batch(None, 0, 2)[0])
+    for pid in workers:  # whether or not each has set its handlers yet
+        for signum in once_running:
+            os.kill(pid, signum)
+    got += [x for x, _ in batches]
+    assert len(got) == len(expected) and all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))

@@ -5,6 +5,10 @@ optimizer and schedule of the phase in progress, every RNG state (Python, NumPy,
 the task / phase / epoch / batch order with the epoch's permutation, the results so far and the W&B run id. It is
 written atomically (temporary file + rename) at the end of every task, every ``trainer.checkpoint_every``
 epochs and on SIGTERM/SIGINT, replacing the previous one; it is read with ``torch.load(weights_only=True)``.
+
+It carries its own integrity record, written in the same file (so atomically with it): the SHA-256 of each of its
+values (:mod:`clbench.state_digest`). A resume recomputes them before any work and refuses a checkpoint in which any
+value differs from what was written (a flipped byte on disk, an edit), naming the file and the values.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ import torch
 
 from clbench.errors import DataError
 from clbench.files import write_atomic
+from clbench.state_digest import digests, mismatches
 
 FILE = "checkpoint.pt"
-VERSION = 1
+VERSION = 2  # 2: with an integrity record
 
 
 @dataclass
@@ -72,6 +77,7 @@ def restore_rng(state: dict[str, Any]) -> None:
 def save(run_dir: Path, position: Position, payload: dict[str, Any]) -> None:
     cursor = asdict(position.cursor) if position.cursor else None
     state = {"version": VERSION, "position": {**asdict(position), "cursor": cursor}, "rng": rng_state(), **payload}
+    state["integrity"] = digests(state)
     buf = io.BytesIO()
     torch.save(state, buf)
     write_atomic(run_dir / FILE, buf.getvalue())
@@ -89,7 +95,21 @@ def load(run_dir: Path) -> tuple[Position, dict[str, Any]]:
     except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError, OSError) as err:
         raise DataError(f"Cannot resume: {path} is corrupt or truncated ({type(err).__name__}: {err}).") from None
     if not isinstance(state, dict) or state.get("version") != VERSION:
-        raise DataError(f"Cannot resume: {path} is not a clbench checkpoint of version {VERSION}.")
+        raise DataError(
+            f"Cannot resume: {path} is not a clbench checkpoint of version {VERSION} (a checkpoint with an integrity "
+            "record); one written by an older clbench resumes with that clbench."
+        )
+    record = state.pop("integrity", None)
+    if not isinstance(record, dict):
+        raise DataError(f"Cannot resume: {path} has no integrity record, so what it holds cannot be verified.")
+    wrong = mismatches(record, state)
+    if wrong:
+        shown = "; ".join(wrong[:8]) + (f"; and {len(wrong) - 8} more" if len(wrong) > 8 else "")
+        raise DataError(
+            f"Cannot resume: {path} does not match what was written (its integrity record): {shown}. It was damaged "
+            "or edited since; resume from an intact copy, or start the run again in another folder. The folder is "
+            "left as it was."
+        )
     pos = state["position"]
     cursor = Cursor(**pos["cursor"]) if pos["cursor"] else None
     return Position(pos["task"], pos["step"], cursor), state

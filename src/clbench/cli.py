@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import math
 import os
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -22,9 +23,13 @@ from omegaconf import DictConfig, OmegaConf
 from clbench.config import GROUPS, RunConfig, closest, config_dir, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import (
+    CHECKPOINT_FILE,
+    LOCK_FILE,
     PID_FILE,
     began_writing,
+    check_new_run,
     check_writable,
+    existing_run,
     lock_run_folder,
     unlock_run_folder,
     write_atomic,
@@ -38,34 +43,38 @@ log = logging.getLogger("clbench")
 class RunFolderGuard(Callback):
     """Before Hydra writes anything into the output folder (registered in conf/config.yaml under hydra.callbacks):
     refuse an invalid config, a folder that cannot be written, a run folder another clbench process holds (the lock
-    stays with this process until it exits), and ``resume=true`` where there is no folder to resume; each with one
-    clear paragraph, exit 2. Where the folder already holds files (a run resumed, or a new run pointed at an old
-    run's folder), what the start of a job rewrites is kept (the .hydra files, clbench.log, the PID file), so that a
-    run refused later (another config than the checkpoint's, a value only the built model can refuse) leaves the
-    folder byte for byte as it was: Hydra rewrites them before the run can build anything."""
+    stays with this process until it exits), ``resume=true`` where there is no checkpoint to resume, and a new run in
+    a folder that holds a run already; each with one clear paragraph, exit 2. What the start of a job writes is kept
+    track of (the .hydra files, clbench.log, the lock and PID files; a folder made for it), so that a run refused
+    later (another config than the checkpoint's, missing data, a value only the built model can refuse, a checkpoint
+    that does not fit) or a finished run resumed (nothing to do) leaves the folder byte for byte as it was, and no
+    folder where there was none: Hydra writes them before the run can build anything."""
 
     before: ClassVar[dict[Path, bytes | None]] = {}
     folder: ClassVar[Path | None] = None
+    made: ClassVar[Path | None] = None  # the topmost folder made for this job (None: the run folder existed)
 
     def on_run_start(self, config: DictConfig, **kwargs: object) -> None:
         if int(os.environ.get("RANK", "0")) > 0:  # torchrun's other ranks write nothing
             return
         folder = Path(str(config.hydra.run.dir))
-        RunFolderGuard.before, RunFolderGuard.folder = {}, None  # this job's folder only
+        RunFolderGuard.before, RunFolderGuard.folder, RunFolderGuard.made = {}, None, None  # this job's folder only
         try:
             validate(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
-            if config.get("resume") is True and not (folder / "checkpoint.pt").is_file():
+            resume = resume_setting(config.get("resume"))
+            if resume is True and not (folder / CHECKPOINT_FILE).is_file():
                 raise DataError(
-                    f"Cannot resume: {folder / 'checkpoint.pt'} does not exist (no run wrote a checkpoint there). "
+                    f"Cannot resume: {folder / CHECKPOINT_FILE} does not exist (no run wrote a checkpoint there). "
                     "Point hydra.run.dir at the run's folder, or drop resume=true to start a new run."
                 )
-            used = folder.is_dir() and any(folder.iterdir())
+            check_new_run(folder, resume)
+            made = topmost_missing(folder)
             check_writable(folder)
-            if used or config.get("resume") in (True, "auto"):
-                hydra_files = {folder / ".hydra" / f"{name}.yaml" for name in ("config", "hydra", "overrides")}
-                kept = [*hydra_files, *(folder / ".hydra").glob("*.yaml"), folder / "clbench.log", folder / PID_FILE]
-                RunFolderGuard.before = {p: p.read_bytes() if p.is_file() else None for p in kept}
-                RunFolderGuard.folder = folder
+            hydra_files = {folder / ".hydra" / f"{name}.yaml" for name in ("config", "hydra", "overrides")}
+            kept = [*hydra_files, *(folder / ".hydra").glob("*.yaml"), folder / "clbench.log"]
+            kept += [folder / PID_FILE, folder / LOCK_FILE]
+            RunFolderGuard.before = {p: p.read_bytes() if p.is_file() else None for p in kept}
+            RunFolderGuard.folder, RunFolderGuard.made = folder, made
             lock_run_folder(folder)
         except ClbenchError as err:
             report(str(err))
@@ -74,32 +83,94 @@ class RunFolderGuard(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
         searched = list(config.hydra.sweeper.get("params") or {})
         remember_swept(list(config.hydra.overrides.task), [str(key) for key in searched])
+        folder = Path(str(config.hydra.sweep.dir))
         try:
-            check_writable(Path(str(config.hydra.sweep.dir)))
+            check_new_sweep(folder, resume_setting(config.get("resume")))
+            check_writable(folder)
         except ClbenchError as err:
             report(str(err))
             sys.exit(2)
 
     @classmethod
     def put_back(cls) -> None:
-        """Give the folder of a refused run back as it was: the run folder's lock released, and the files the job
-        rewrote restored (or removed, where the job created them). A run that began to write the folder keeps it."""
+        """Give the folder of a refused (or finished and resumed) run back as it was: the run folder's lock released,
+        the files the job rewrote restored (or removed, where the job created them), a folder made for the job
+        removed. A run that began to write the folder keeps it."""
         if cls.folder is None or began_writing(cls.folder):
             return
         unlock_run_folder(cls.folder, keep_pid=True)
+        if cls.made is not None:
+            remove_made(cls.folder, cls.made)
+            return
         for path, data in cls.before.items():
-            if data is None:
-                path.unlink(missing_ok=True)
-            else:
+            if data is not None:
                 write_atomic(path, data)
+            elif path.is_file():
+                path.unlink()
+        hydra_dir = cls.folder / ".hydra"
+        if hydra_dir.is_dir() and not any(hydra_dir.iterdir()):  # made for the job: it held none of these files
+            hydra_dir.rmdir()
+
+
+def topmost_missing(folder: Path) -> Path | None:
+    """The topmost of ``folder`` and its parents that does not exist (None where ``folder`` exists)."""
+    missing = None
+    for path in (folder, *folder.parents):
+        if path.exists():
+            return missing
+        missing = path
+    return missing
+
+
+def remove_made(folder: Path, made: Path) -> None:
+    """Remove ``folder`` and its parents up to ``made``, made for a job that was refused; a parent another job has
+    written into since is kept."""
+    shutil.rmtree(folder, ignore_errors=True)
+    for path in folder.parents:
+        if not path.is_relative_to(made):
+            return
+        try:
+            path.rmdir()
+        except OSError:  # not empty: another job's folder is in it
+            return
+
+
+def check_new_sweep(folder: Path, resume: bool | str) -> None:
+    """A new sweep (``resume`` false) is refused in a sweep folder that holds jobs' runs already, before anything is
+    written; with ``resume=auto`` each job finds its own folder's run (finished: kept as it is, interrupted:
+    continued)."""
+    held = sorted(d.name for d in folder.iterdir() if d.is_dir() and existing_run(d)) if folder.is_dir() else []
+    if held and resume is False:
+        raise ConfigError(
+            f"The sweep folder {folder} holds runs already ({len(held)} jobs' folders: {', '.join(held[:3])}"
+            f"{', ...' if len(held) > 3 else ''}), and a new sweep is never written over them: rerun it with "
+            "resume=auto (finished jobs are kept as they are, interrupted ones continue), or choose another folder "
+            "with hydra.sweep.dir=PATH."
+        )
+
+
+def remove_refused_job(folder: Path) -> None:
+    """A sweep's job refused before it began writing leaves no folder of its own: where its folder holds nothing but
+    what the job's start wrote (.hydra, clbench.log, the lock and PID files), it is removed."""
+    start = {".hydra", "clbench.log", LOCK_FILE, PID_FILE}
+    if folder.is_dir() and not began_writing(folder) and {p.name for p in folder.iterdir()} <= start:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def resume_setting(resume: object) -> object:
+    """``resume`` as a job acts on it: a SLURM job requeued after preemption or a time limit (SLURM_RESTART_COUNT >= 1)
+    resumes from the checkpoint in its folder where there is one (``auto``) instead of starting over."""
+    if resume is False and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+        return "auto"
+    return resume
 
 
 def requeued(cfg: RunConfig) -> RunConfig:
-    """A SLURM job requeued after preemption or a time limit (SLURM_RESTART_COUNT >= 1) resumes from the
-    checkpoint in its folder where there is one (``resume=auto``) instead of starting over."""
-    if cfg.resume is False and int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0:
+    """A requeued SLURM job's config: ``resume=auto`` (:func:`resume_setting`)."""
+    resume = resume_setting(cfg.resume)
+    if resume != cfg.resume:
         log.info("requeued SLURM job: resume=auto")
-        return dataclasses.replace(cfg, resume="auto")
+        return dataclasses.replace(cfg, resume=resume)
     return cfg
 
 
@@ -189,6 +260,7 @@ def app(cfg: DictConfig) -> float | None:
             run_dir,
             name=hydra_cfg.job.override_dirname or None,
         )
+        RunFolderGuard.put_back()  # a finished run resumed: nothing was written, its folder is given back as it was
         value = results.objective["value"] if results.objective else None
         return math.nan if run_cfg.objective is not None and value is None else value
     except Preempted as err:
@@ -205,6 +277,7 @@ def app(cfg: DictConfig) -> float | None:
         report(str(err))
         RunFolderGuard.put_back()
         if multirun:  # one bad job must not end the sweep; its results.json (if any) says failed
+            remove_refused_job(Path(hydra_cfg.runtime.output_dir))
             return math.nan
         sys.exit(2)
     except Exception:

@@ -324,6 +324,7 @@ class MemoryConfig:
 
 
 SAMPLERS = ("reservoir", "uniform", "balanced", "herding", "greedy")
+STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a `memory` phase)
 HOLDING_OUT = ("herding", "balanced")  # the samplers that hold a validation share of each class out (BiC's bias stage)
 
 
@@ -464,7 +465,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(isinstance(on_test, bool), "objective_on_test", on_test, "true or false")
     if objective is not None:
         check_objective(str(objective), on_test, groups["data"])
-    return RunConfig(
+    run = RunConfig(
         **groups,
         method=method,
         method_target=target,
@@ -473,6 +474,8 @@ def validate(cfg: DictConfig) -> RunConfig:
         objective=None if objective is None else str(objective),
         objective_on_test=on_test,
     )
+    method_cls.check_run(run)
+    return run
 
 
 def memory_sampler(memory: MemoryConfig, method_cls: type) -> str:
@@ -494,7 +497,8 @@ def check_memory(memory: MemoryConfig, method_cls: type) -> None:
         memory.active or not method_cls.needs_memory,
         "memory.per_class",
         None,
-        f"an integer >= 1 (or memory.size): {name} rehearses from a memory and needs a budget",
+        f"an integer >= 1 (or memory.size): {name} rehearses from a memory and needs a budget (memory=none drops the "
+        "one its YAML or preset sets)",
     )
     require(
         not (memory.active and method_cls.memory_logits and memory_sampler(memory, method_cls) != "reservoir"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -111,6 +112,46 @@ def unlock_run_folder(folder: Path, *, keep_pid: bool = False) -> None:
         if not keep_pid:
             (folder / PID_FILE).unlink(missing_ok=True)
         lock.release()
+
+
+RESULTS_FILE, CHECKPOINT_FILE = "results.json", "checkpoint.pt"
+
+
+def existing_run(folder: Path) -> str | None:
+    """The run ``folder`` holds, in words ("a finished run", "an interrupted run", ...: its results.json's status),
+    or None where it holds neither results.json nor checkpoint.pt. A results.json that cannot be read still counts."""
+    results, saved = folder / RESULTS_FILE, folder / CHECKPOINT_FILE
+    if not results.is_file():
+        return "a run's checkpoint" if saved.is_file() else None
+    try:
+        status = json.loads(results.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return "a run (its results.json cannot be read)"
+    if status == "running":  # a run killed before it could say otherwise, or one that runs now
+        return "a run that did not finish (its results.json says running)"
+    return f"{'an' if str(status)[:1] in 'aeiou' else 'a'} {status} run" if isinstance(status, str) else "a run"
+
+
+def check_new_run(folder: Path, resume: bool | str) -> None:
+    """A run is never written over another: a new run (``resume`` false; ``auto`` without a checkpoint to resume) is
+    refused in a folder that holds a run's results or checkpoint (``auto``: a finished run's results), before
+    anything is written."""
+    held = existing_run(folder)
+    if held is None or resume is True or (resume == "auto" and (folder / CHECKPOINT_FILE).is_file()):
+        return
+    if resume == "auto" and held != "a finished run":
+        return  # an unfinished run without a checkpoint: resume=auto starts it afresh
+    action = (
+        "run it again in another folder"
+        if held == "a finished run"
+        else "continue it with resume=true"
+        if (folder / CHECKPOINT_FILE).is_file()
+        else "start it afresh there with resume=auto"
+    )
+    raise ConfigError(
+        f"The folder {folder} holds {held} already, and a new run is never written over one: {action}, or choose "
+        "another folder with hydra.run.dir=PATH. The folder is left as it was."
+    )
 
 
 RUN_FOLDER_HINT = "Choose another with hydra.run.dir=PATH (hydra.sweep.dir=PATH for -m), or free space there."

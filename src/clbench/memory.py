@@ -49,9 +49,7 @@ from torch import nn
 from clbench.config import MemoryConfig
 from clbench.data import Split, Task
 from clbench.data.stream import DiskImages
-
-STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a ``memory`` phase)
-
+from clbench.memory_budget import capacity_of, class_quota, held_out
 
 NO_LIMIT = 2**62  # the reservoir offers every image
 
@@ -88,7 +86,7 @@ class Memory(nn.Module):
     ) -> None:
         super().__init__()
         self.sampler, self.per_class, self.num_classes = sampler, config.per_class, num_classes
-        self.capacity = config.size if config.size is not None else config.per_class * num_classes
+        self.capacity = capacity_of(config, num_classes)
         rows = self.capacity + 1  # the last row is scratch
         device = torch.device(device)
         # ``host``: the images in pinned host memory that the CUDA device reads and writes in place; the checkpoint
@@ -149,6 +147,31 @@ class Memory(nn.Module):
     def get_extra_state(self) -> dict[str, Any]:
         return {"held": self.held, "region": list(self.region), "held_out": list(self.held_out)}
 
+    def problems(self, tasks: list[Task]) -> list[str]:
+        """What a restored memory holds that no run writes: a label outside the benchmark's classes or not of its
+        slot's task, and a count of held images its labels contradict (a task sampler's count is its filled slots; the
+        reservoir's, the images offered, fills min(count, capacity) slots; the uniform sampler's, at least its filled
+        slots). An empty list where it is consistent."""
+        labels, owner = self.labels[: self.capacity].cpu(), self.tasks[: self.capacity].cpu()
+        filled = labels >= 0
+        out = []
+        outside = labels[(labels < -1) | (labels >= self.num_classes)].unique()
+        if len(outside):
+            out.append(f"memory labels {outside[:5].tolist()} outside -1 (empty) .. {self.num_classes - 1}")
+        else:
+            lo = torch.tensor([t.offset for t in tasks])
+            hi = lo + torch.tensor([t.num_classes for t in tasks])
+            known = filled & (owner >= 0) & (owner < len(tasks))
+            slot_task = owner.clamp(0, len(tasks) - 1)
+            stray = filled & (~known | (labels < lo[slot_task]) | (labels >= hi[slot_task]))
+            if stray.any():
+                out.append(f"{int(stray.sum())} memory images whose label is not of the task recorded with it")
+        count, n = self.held, int(filled.sum())
+        expected = {"reservoir": min(count, self.capacity) == n, "uniform": count >= n}
+        if not expected.get(self.sampler, count == n):
+            out.append(f"a memory count of {count} held images where its labels fill {n} of its slots")
+        return out
+
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.held = int(state["held"])
         lo, length, limit = (int(v) for v in state["region"])
@@ -158,7 +181,7 @@ class Memory(nn.Module):
     def validation_share(self, quota: int) -> int:
         """Of a class's ``quota`` images in memory, those held out for validation: ⌊holdout · quota⌋, at least one
         (BiC's code: ⌊0.1 · nb_proto⌋ of its nb_proto exemplars a class)."""
-        return max(1, int(self.holdout * quota)) if self.holdout else 0
+        return held_out(self.holdout, quota)
 
     def start_task(self, task: Task, labels: torch.Tensor) -> None:
         """At a task's start (``labels``: its training images' labels, on the host): the validation images held out of
@@ -183,7 +206,7 @@ class Memory(nn.Module):
 
     def quota(self, seen_classes: int) -> int:
         """Images a class keeps once ``seen_classes`` classes have been seen (balanced and herding samplers)."""
-        return self.per_class if self.per_class is not None else self.capacity // seen_classes
+        return class_quota(self.per_class, self.capacity, seen_classes)
 
     # ----------------------------------------------------------------------------- reservoir (in the step)
     def insert(

@@ -31,11 +31,12 @@ Rows = Callable[[int], np.ndarray | None]  # batch size -> the positions in the 
 def worker_context() -> multiprocessing.context.BaseContext:
     """How reader workers start: from a fork server (a clean process started once, which imports this module), not
     forked from the training process, whose threads (gloo's, rich's progress refresh, the previous loader's) can hold
-    an interpreter lock at the moment of a fork and leave the child waiting on it forever (seen under torchrun)."""
+    an interpreter lock at the moment of a fork and leave the child waiting on it forever (seen under torchrun). The
+    server holds the stop signals (:mod:`clbench.data.reader_server`), so its workers are born with them held."""
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__])
+    context.set_forkserver_preload([__name__, "clbench.data.reader_server"])
     return context
 
 
@@ -182,12 +183,18 @@ def runs(positions: np.ndarray) -> Iterator[tuple[tuple[int, int], int]]:
         yield (int(positions[first]), int(positions[end - 1]) + 1), first
 
 
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+
+
 def ignore_stop_signals(_worker: int) -> None:
     """A worker ignores SIGINT and the first SIGTERM, which a terminal or SLURM sends the whole process group: the
     training process writes its checkpoint at the end of the step and then shuts the workers down itself. A second
-    SIGTERM (the loader's or multiprocessing's own terminate at shutdown) ends the worker as usual."""
+    SIGTERM (the loader's or multiprocessing's own terminate at shutdown) ends the worker as usual. The worker was born
+    with the stop signals held (:mod:`clbench.data.reader_server`): they are let through once these handlers are set,
+    and one that arrived before is handled then."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda _signum, _frame: signal.signal(signal.SIGTERM, signal.SIG_DFL))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
 
 class BatchReader(Dataset):

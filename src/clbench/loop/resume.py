@@ -11,7 +11,7 @@ from clbench.checkpoint import Position
 from clbench.comparable import flatten, is_setting
 from clbench.config import RunConfig, as_dict
 from clbench.data import Task
-from clbench.errors import ConfigError
+from clbench.errors import ConfigError, DataError
 from clbench.methods import Method
 from clbench.results import Results
 
@@ -77,13 +77,24 @@ def replay(method: Method, tasks: list[Task], position: Position, epochs: int) -
 
 
 def restore(
-    cfg: RunConfig, saved: Saved, method: Method, tasks: list[Task], results: Results
+    cfg: RunConfig, saved: Saved, method: Method, tasks: list[Task], results: Results, *, path: Path
 ) -> tuple[Position, str | None]:
-    """Bring ``method`` and ``results`` to the state of a checkpoint (checked with :func:`check_identity`); returns
-    the position to go on from and the W&B run id."""
+    """Bring ``method`` and ``results`` to the state of the checkpoint ``path`` (checked with :func:`check_identity`);
+    returns the position to go on from and the W&B run id. Values that do not fit the run the config builds (shapes,
+    missing or extra tensors, a memory's labels and counts, the results' stages) are a :class:`DataError`."""
     position, state = saved
     replay(method, tasks, position, cfg.trainer.epochs)
-    method.load_state_dict(state["method"])
+    try:
+        method.load_state_dict(state["method"])
+    except RuntimeError as err:
+        wrong = "; ".join(line.strip() for line in str(err).splitlines()[1:] if line.strip())[:1500]
+        raise DataError(f"Cannot resume: {path} does not fit the run its config builds: {wrong}.") from None
+    problems = method.memory.problems(tasks) if method.memory is not None else []
+    stages = len(state["results"]["rows"]["til"])
+    if stages != position.task:
+        problems.append(f"its results hold {stages} trained tasks where its position is at task {position.task}")
+    if problems:
+        raise DataError(f"Cannot resume: {path} holds what no run writes: {'; '.join(problems)}.")
     results.restore(state["results"])
     checkpoint.restore_rng(state["rng"])
     return position, state["wandb_id"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,11 @@ from clbench.checkpoint import Cursor, Position
 from clbench.comparable import method_name
 from clbench.config import RunConfig, as_dict, full_config
 from clbench.data import Task
-from clbench.errors import Preempted
+from clbench.errors import DataError, Preempted
 from clbench.files import (
+    RESULTS_FILE,
     begin_writing,
+    check_new_run,
     check_writable,
     lock_run_folder,
     remove_stale_temporaries,
@@ -58,11 +61,16 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
     evaluates its share; only rank 0 writes the folder, the checkpoints and W&B."""
     check_prerequisites(cfg.data, cfg.backbone)
     main = distributed.current().is_main
+    if main:
+        check_new_run(run_dir, cfg.resume)  # a run is never written over another
     resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / checkpoint.FILE).exists())
     # The checkpoint is loaded once, here: a missing, corrupt or foreign one is reported before the folder is touched
     # or anything is built.
     saved = checkpoint.load(run_dir) if resuming else None
     harmless = check_identity(cfg, run_dir, saved[1]) if saved is not None else []
+    if saved is not None and finished(saved[1]):
+        say(f"clbench: {run_dir} holds a finished run: nothing to resume, and nothing in it is written")
+        return recorded(cfg, run_dir, saved[1])
     if main:
         check_writable(run_dir)
     acquired = main and lock_run_folder(run_dir)
@@ -75,19 +83,42 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
             unlock_run_folder(run_dir)
 
 
+def finished(state: dict[str, Any]) -> bool:
+    """Whether a checkpoint is a finished run's: every task trained and evaluated, no task in progress."""
+    rows = state["results"]["rows"]["til"]
+    return state["position"]["cursor"] is None and bool(rows) and len(rows) == len(rows[0])
+
+
+def recorded(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> Results:
+    """A finished run's results as its checkpoint holds them (its tasks from its results.json); nothing is built or
+    written."""
+    try:
+        tasks = json.loads((run_dir / RESULTS_FILE).read_text())["tasks"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise DataError(f"{run_dir} holds a finished run whose results.json cannot be read ({err}).") from None
+    offsets = np.cumsum([0, *(len(t["classes"]) for t in tasks)])
+    results = Results(header(cfg), [Task(t["id"], tuple(t["classes"]), tuple(t["class_names"]), int(offsets[i]))
+                                    for i, t in enumerate(tasks)])  # fmt: skip
+    results.restore(state["results"])
+    results.status = "finished"
+    if cfg.objective is not None:
+        results.objective = {"name": cfg.objective, "value": results.objective_value(cfg.objective)}
+    return results
+
+
 def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
     """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from. A run refused while its
-    method and data are built (a value only the built model can check, missing data) has not begun to write the
-    folder: the CLI gives it back as it was."""
+    method and data are built (a value only the built model can check, missing data) or its checkpoint is loaded into
+    them (values that do not fit) has not begun to write the folder: the CLI gives it back as it was."""
     method, rt = build_runtime(cfg)
-    if main:
-        begin_writing(run_dir)
-        remove_stale_temporaries(run_dir)
     results = Results(header(cfg), rt.benchmark.tasks)
     loaded = start_record(cfg, method, rt, results, main)
     position, wandb_id = Position(0, 0), None
-    if saved is not None:
-        position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results)
+    if saved is not None:  # a checkpoint that does not fit the run its config builds is refused here too
+        position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results, path=run_dir / checkpoint.FILE)
+    if main:
+        begin_writing(run_dir)
+        remove_stale_temporaries(run_dir)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
     tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
     results.header["wandb"] = tracker.identity()

@@ -19,6 +19,7 @@ from clbench.backbones import build_backbone, input_stats
 from clbench.comparable import method_name
 from clbench.config import RunConfig, config_dir, host_drawn_augmentation, memory_sampler
 from clbench.data import Benchmark, DeviceTransform, Split, Task, build_benchmark
+from clbench.data.benchmark import free_memory
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
 from clbench.errors import ConfigError
@@ -26,6 +27,7 @@ from clbench.evaluation import SCENARIOS, Evaluation, evaluate
 from clbench.loop.optim import schedulers_fill_tensor_rates
 from clbench.loop.trained_parts import backbone_parts
 from clbench.memory import Memory
+from clbench.memory_budget import Budget, check_replay
 from clbench.methods import Method
 from clbench.tracking import say
 
@@ -189,6 +191,7 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     transforms = (DeviceTransform(cfg.data, size, mean, std, train=t, device=device) for t in (True, False))
     rt = Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel, backbone_parts=parts)
     if cfg.memory.active:  # in pinned host memory where the training images stay on disk
+        check_memory_budget(cfg, method, benchmark, device, host=rt.streamed)
         method.memory = Memory(
             cfg.memory,
             memory_sampler(cfg.memory, type(method)),
@@ -200,6 +203,31 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
             host=rt.streamed,
         )
     return method, rt
+
+
+def check_memory_budget(cfg: RunConfig, method: Method, benchmark: Benchmark, device: torch.device, host: bool) -> None:
+    """Before the memory is allocated: its budget on this benchmark's class counts, its bytes where it will be held
+    (``host``: pinned host memory), and a step's replayed images on the device (:mod:`clbench.memory_budget`)."""
+    sizes = [torch.bincount(split.y - t.offset, minlength=t.num_classes).tolist() for t, split in
+             zip(benchmark.tasks, benchmark.train, strict=True)]  # fmt: skip
+    budget = Budget(cfg.memory, sizes, type(method).__name__, method.memory_holdout)
+    budget.check_quotas(memory_sampler(cfg.memory, type(method)))
+    image_shape = tuple(benchmark.train[0].x.shape[1:])
+    on_host = host or device.type == "cpu"
+    free = free_memory(torch.device("cpu") if on_host else device)
+    taken = budget.check_allocation(
+        image_shape, logits=method.memory_logits, free=free, where="the host" if on_host else str(device)
+    )
+    if method.replay_draws:  # the replayed images are on the device, with the memory unless it is pinned on the host
+        left = free - taken if device.type == "cpu" or not host else free_memory(device)
+        check_replay(
+            replay_rows(cfg),
+            draws=method.replay_draws,
+            image_shape=image_shape,
+            img_size=cfg.backbone.img_size,
+            free=left,
+            where=str(device),
+        )
 
 
 def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) -> list[str]:

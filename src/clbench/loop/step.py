@@ -35,10 +35,11 @@ from timm.data import Mixup
 from torch import nn
 from torch._dynamo.utils import counters
 
+from clbench.config import STEP_SAMPLERS
 from clbench.data import Task
 from clbench.errors import GraphCaptureError
+from clbench.loop.divergence import FirstNonFinite
 from clbench.loop.runtime import Runtime, replay_rows
-from clbench.memory import STEP_SAMPLERS
 from clbench.methods import Method
 from clbench.methods.base import Logs, Replay
 from clbench.tracking import say
@@ -90,6 +91,7 @@ def train_step(
     mixing: Mixup | None = None,
     replay: bool = False,
     ids: torch.Tensor | None = None,
+    watch: FirstNonFinite | None = None,
 ) -> StepOut:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
     surgery, clipping, the optimizer step, the method's constraints, and the batch offered to a reservoir memory.
@@ -97,7 +99,8 @@ def train_step(
     run, where this rank trains on its share of the batch, its loss weighted so that the averaged gradients are the
     whole batch's). ``mixing``: the phase's :meth:`Runtime.mixup` (built once per phase, not per step). ``replay``:
     draw the method's memory batches (augmented like the current batch) and hand them to its loss. ``ids``: the rows'
-    positions in the phase's data, for a method that :meth:`~clbench.methods.Method.takes_ids`."""
+    positions in the phase's data, for a method that :meth:`~clbench.methods.Method.takes_ids`. ``watch``: records
+    the loss and its logged terms at the phase's first non-finite step."""
     labels = y
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
@@ -112,6 +115,8 @@ def train_step(
     with rt.autocast:
         y = y[part]
         loss, logs = model(x, y, **extra) if model is not None else method.training_loss(x, y, task, **extra)
+    if watch is not None:
+        watch.update(loss, logs)
     if weight != 1.0:
         loss = loss * weight
     optimizer.zero_grad(set_to_none=True)
@@ -213,6 +218,7 @@ class Stepper:
         self.replay = False  # whether the current step draws from the memory
         self.warm = 0
         self.side = torch.cuda.Stream(rt.device) if rt.accel.graphs else None
+        self.watch = FirstNonFinite(rt.device)  # what went non-finite first, for the NaN guard's message
 
     def __call__(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         """One step on a raw batch (``ids``: its rows' positions in the phase's data, where the method takes them)."""
@@ -281,6 +287,7 @@ class Stepper:
             mixing=self.mixing,
             replay=self.replay,
             ids=ids,
+            watch=self.watch,
         )
 
     def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> StepOut:

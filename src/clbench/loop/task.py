@@ -24,6 +24,7 @@ from rich.progress import Progress
 from clbench.checkpoint import Cursor
 from clbench.data import Split, Task
 from clbench.errors import Diverged, Preempted
+from clbench.loop.divergence import FirstNonFinite
 from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
 from clbench.loop.runtime import Runtime
 from clbench.loop.step import Stepper
@@ -244,7 +245,7 @@ class PhaseRun:
         if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
             position = f"{where(task, self.phase, epoch)} (its end), step {step}"
             values = {
-                "epoch_loss": check_finite(rt, epoch_loss, done, position),
+                "epoch_loss": check_finite(rt, epoch_loss, done, position, self.stepper.watch),
                 "lr": current_lr(self.schedule),
                 "images_per_s": min(done * cfg.batch_size, len(self.split)) / max(time.time() - started, 1e-9),
             }
@@ -256,7 +257,8 @@ class PhaseRun:
     def log_steps(self, logs: Logs, epoch: int, step: int, bar: int | None) -> None:
         """The mean loss of the last ``log_every`` steps (checked finite) and the method's values: W&B, the bar."""
         every = self.rt.cfg.trainer.log_every
-        mean_loss = check_finite(self.rt, self.running, every, f"{where(self.task, self.phase, epoch)}, step {step}")
+        position = f"{where(self.task, self.phase, epoch)}, step {step}"
+        mean_loss = check_finite(self.rt, self.running, every, position, self.stepper.watch)
         self.running.zero_()
         if self.hooks.tracker:
             extra = {f"train/{k}": v.item() for k, v in logs.items()}
@@ -336,13 +338,12 @@ def where(task: Task, phase: Phase, epoch: int) -> str:
     return f"task {task.id} ({phase.name} phase), epoch {epoch}"
 
 
-def check_finite(rt: Runtime, running: torch.Tensor, steps: int, position: str) -> float:
+def check_finite(rt: Runtime, running: torch.Tensor, steps: int, position: str, watch: FirstNonFinite) -> float:
     """The mean of the last ``steps`` losses (summed over ranks: one host sync); a non-finite one stops the run with
-    :class:`Diverged` before the task can be recorded as trained."""
+    :class:`Diverged` before the task can be recorded as trained, naming what ``watch`` saw go non-finite first."""
     mean_loss = rt.ranks.sum_(running / (steps * rt.ranks.size)).item()
     if not math.isfinite(mean_loss):
         raise Diverged(
-            f"the mean training loss of the last {steps} steps is {mean_loss} at {position}; "
-            "lower trainer.lr or set trainer.grad_clip"
+            f"the mean training loss of the last {steps} steps is {mean_loss} at {position}; {watch.describe()}"
         )
     return mean_loss

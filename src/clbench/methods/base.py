@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from clbench.config import STEP_SAMPLERS, RunConfig
 from clbench.data import Benchmark, Task
-from clbench.memory import STEP_SAMPLERS, Memory
+from clbench.memory import Memory
 
 Logs = dict[str, torch.Tensor]
 
@@ -98,6 +99,11 @@ class Method(nn.Module):
         # DER++: the logits of the step's current rows, which the loop stores with them after the step.
         self.stored_logits: torch.Tensor | None = None
         self.untrained_heads: dict[int, nn.Linear] = {}  # :meth:`untrained_logits`' heads (not trained, not saved)
+
+    @classmethod
+    def check_run(cls, cfg: RunConfig) -> None:
+        """Refuse (:class:`clbench.errors.ConfigError`), before any work, a setting of the whole run that this method
+        cannot train with or that would record numbers it did not earn; ``cfg`` is the validated config."""
 
     @staticmethod
     def unused_keys(config: Any) -> dict[str, str]:

@@ -52,7 +52,7 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.methods.base import Logs, Method, Phase
-from clbench.methods.lwf import Distills, distillation
+from clbench.methods.lwf import Distills, check_temperature, distillation
 
 
 @dataclass
@@ -64,7 +64,7 @@ class BiCConfig:
     teacher: str = "recorded"  # recorded: the teacher's logits recorded once a task | online: on each augmented batch
 
     def __post_init__(self) -> None:
-        require(math.isfinite(self.T) and self.T > 0, "method.T", self.T, "a finite float > 0")
+        check_temperature(self.T)
         require(
             math.isfinite(self.gamma_penalty) and self.gamma_penalty >= 0,
             "method.gamma_penalty",

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 import torch.nn.functional as F
 
-from clbench.config import require
+from clbench.config import STEP_SAMPLERS, RunConfig, memory_sampler, require
 from clbench.data import Task
 from clbench.methods.base import Logs, Method, Phase
 
@@ -69,6 +69,26 @@ class GDumb(Method):
         super().__init__(backbone, benchmark, config)
         # The weights every fit starts from (the pretrained ones): a host copy, rebuilt identically on resume.
         self.pretrained = {k: v.detach().cpu().clone() for k, v in backbone.state_dict().items()}
+
+    @classmethod
+    def check_run(cls, cfg: RunConfig) -> None:
+        """The fit is GDumb's only training: it needs epochs, and a memory filled from each task's images after the
+        task (GDumb takes no training step on them, in which the reservoir and uniform samplers fill theirs)."""
+        require(
+            cfg.method.fit_epochs is not None or cfg.trainer.epochs >= 1,
+            "trainer.epochs",
+            cfg.trainer.epochs,
+            "an integer >= 1 with method.fit_epochs=null (GDumb's fit, its only training, then takes trainer.epochs "
+            "epochs: 0 would record an untrained model's accuracy as GDumb's), or set method.fit_epochs >= 1",
+        )
+        require(
+            not cfg.memory.active or memory_sampler(cfg.memory, cls) not in STEP_SAMPLERS,
+            "memory.sampler",
+            cfg.memory.sampler,
+            "auto (greedy), balanced or herding with GDumb: reservoir and uniform fill the memory during training "
+            "steps on the task's images, which GDumb never takes (it trains on the memory alone), so the memory would "
+            "hold nothing to fit on",
+        )
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
         """The memory update from the task's images, then the fit on the memory alone."""

@@ -57,7 +57,7 @@ class LwFConfig(FinetuneConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         require(math.isfinite(self.lam) and self.lam >= 0, "method.lam", self.lam, "a finite float >= 0")
-        require(math.isfinite(self.T) and self.T > 0, "method.T", self.T, "a finite float > 0")
+        check_temperature(self.T)
         require_choice("method.scope", self.scope, ("til", "cil"))
         require_choice("method.teacher", self.teacher, ("recorded", "online"))
         require(
@@ -66,6 +66,25 @@ class LwFConfig(FinetuneConfig):
             self.warmup_epochs,
             "an integer >= 0",
         )
+
+
+SMALLEST_T = torch.finfo(torch.float32).tiny  # 2**-126, fp32's smallest normal number
+
+
+def check_temperature(temperature: float) -> None:
+    """A distillation temperature fp32 can compute with: finite and at least fp32's smallest normal number, 2^-126
+    (1.2e-38). Below it T is not an fp32 number (the fp32 logits are divided by T rounded to fp32: a subnormal that
+    has lost its precision, or 0 below 2^-149), and the gradient of :func:`distillation` in the logits,
+    (softmax(z/T) - softmax(z_old/T)) / T, reaches 1/T in a component: more than fp32's largest number (3.4e38)
+    once T < 2.9e-39."""
+    require(
+        math.isfinite(temperature) and temperature >= SMALLEST_T,
+        "method.T",
+        temperature,
+        f"a finite float >= {SMALLEST_T:.4g} (2**-126, fp32's smallest normal number: the distillation divides fp32 "
+        "logits by T, which below it is a subnormal or zero in fp32, and its gradient (softmax(z/T) - "
+        "softmax(z_old/T))/T overflows fp32 below 2.9e-39)",
+    )
 
 
 def distillation(z: torch.Tensor, z_old: torch.Tensor, temperature: float) -> torch.Tensor:
