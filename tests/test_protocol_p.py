@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+import timm
 import torch
 from PIL import Image
+from safetensors.torch import save_file
 from torchvision import transforms as T
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TV
@@ -26,6 +29,7 @@ from clbench.data.catalog import PILOT_ARCHIVES
 from clbench.data.image_folder import load_image
 from clbench.data.transforms import pil_resize, pil_weights, torchvision_crop_boxes
 from clbench.errors import ConfigError, DataError
+from clbench.loop import train
 from conftest import compose_config
 
 # PTM spec §7.3: np.random.seed(1993); np.random.permutation(N), its first 20 entries and the first 16 hex digits of
@@ -321,3 +325,36 @@ def test_the_train_path_gives_random_8_bit_crops_at_224() -> None:
 def test_a_run_labelled_pilot_or_p_is_pilots(overrides: tuple[str, ...], key: str) -> None:
     with pytest.raises(ConfigError, match=f"`{key}`"):
         validate(compose_config("data=imagenet_r_p_b0inc20", P_BACKBONE, *overrides))
+
+
+def test_a_run_on_the_pack_records_its_protocol_split_weights_both_metric_families_and_its_cost(tmp_path: Path) -> None:
+    """SimpleCIL on a 4-class ImageNet-R archive in its real layout (2 tasks of 2), over a shrunk ViT-B/16 loaded from
+    a local augreg_in21k checkpoint (its 21,843-class head dropped); results.json holds what identifies the run."""
+    written = write_archive(tmp_path / "data", "imagenet-r", CLASSES[:4])
+    shrink = {"depth": 1, "embed_dim": 32, "num_heads": 2, "patch_size": 32}
+    source = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=21843, **shrink)
+    weights = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(weights))
+    overrides = [f"data.root={tmp_path / 'data'}", "data.init_classes=2", "data.increment=2", "data.tasks=2"]
+    overrides += [P_BACKBONE, f"backbone.weights={weights}", *(f"+backbone.kwargs.{k}={v}" for k, v in shrink.items())]
+    overrides += ["data.store=device", "method=simplecil", "logger.mode=disabled"]
+    cfg = validate(compose_config("data=imagenet_r_p_b0inc20", *overrides))
+    train(cfg, tmp_path / "run")
+    res = json.loads((tmp_path / "run" / "results.json").read_text())
+    assert (res["benchmark"], res["protocol"], res["status"]) == ("imagenet_r_p_b0inc20", "P", "finished")
+    assert res["data_splits"][0]["files_sha256"] == hashlib.sha256("\n".join(sorted(written)).encode()).hexdigest()
+    backbone = res["backbone_config"]
+    assert (backbone["tag"], backbone["timm_tag"], backbone["normalize"]) == ("augreg_in21k", "augreg_in21k", False)
+    assert backbone["weights_sha256"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    assert (backbone["input_mean"], backbone["input_std"]) == ([0.0] * 3, [1.0] * 3)
+    assert [t["test_images"] for t in res["tasks"]] == [2, 2]
+    for scenario in ("til", "cil"):  # equal tasks: the two families agree
+        m = res["metrics"][scenario]
+        assert m["final_acc_micro"] == pytest.approx(m["final_acc"])
+        assert m["avg_incremental_acc_micro"] == pytest.approx(m["avg_incremental_acc"])
+    per_task = 32 * 2 * 32  # SimpleCIL: 2 prototypes of 32 fp32 features a task
+    assert res["test_time_cost"] == [
+        {"after_task": t, "forwards_per_test_image": {"til": 1, "cil": 1}, "stored_bits_per_task": [per_task] * (t + 1),
+         "shared_bits": 0, "memory_bits": 0}
+        for t in (0, 1)
+    ]  # fmt: skip

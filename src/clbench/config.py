@@ -630,10 +630,10 @@ def check_objective(name: str, on_test: bool, data: DataConfig) -> None:
     )
     tasks = data.num_tasks or data.tasks
     require(
-        tasks > 1 or metric in ("final_acc", "avg_incremental_acc"),
+        tasks > 1 or metric in metrics.ONE_TASK,
         "objective",
         name,
-        f"final_acc or avg_incremental_acc with one task (data.num_tasks={tasks}): {metric} needs two tasks or more",
+        f"{', '.join(metrics.ONE_TASK)} with one task (data.num_tasks={tasks}): {metric} needs two tasks or more",
     )
     require(
         split == "validation" or on_test,

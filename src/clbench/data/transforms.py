@@ -172,7 +172,7 @@ def pil_weights(start: torch.Tensor, length: torch.Tensor, size: int, out: int, 
 
 def pil_resize(x: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """``x`` (B, C, H, W) resampled by ``rows`` (B or 1, H', H) and ``cols`` (B or 1, W', W) in PIL's two passes:
-    along the rows first, each pass's output clipped and rounded to 8 bits."""
+    the horizontal one first (each row resampled along x), each pass's output clipped and rounded to 8 bits."""
     wide = eight_bits(torch.einsum("bchw,bpw->bchp", x, cols.expand(len(x), -1, -1)))
     return eight_bits(torch.einsum("boh,bchp->bcop", rows.expand(len(x), -1, -1), wide))
 
@@ -184,10 +184,12 @@ def pil_bicubic_center_crop(x: torch.Tensor, resize: int, crop: int) -> torch.Te
     short, long = min(h, w), max(h, w)
     size = (resize, int(resize * long / short))
     new_h, new_w = size if h <= w else size[::-1]
-    zero = torch.zeros(1, device=x.device)
-    rows = pil_weights(zero, zero + h, h, new_h, "bicubic")
-    cols = pil_weights(zero, zero + w, w, new_w, "bicubic")
-    return TF.center_crop(pil_resize(x, rows, cols), [crop, crop])
+    if (new_h, new_w) != (h, w):  # PIL copies an image already at the size (a 256 px stored square)
+        zero = torch.zeros(1, device=x.device)
+        x = pil_resize(
+            x, pil_weights(zero, zero + h, h, new_h, "bicubic"), pil_weights(zero, zero + w, w, new_w, "bicubic")
+        )
+    return TF.center_crop(x, [crop, crop])
 
 
 def eight_bits(x: torch.Tensor) -> torch.Tensor:
