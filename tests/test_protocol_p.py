@@ -21,6 +21,7 @@ from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TV
 
 from clbench import prerequisites
+from clbench.comparable import LATER_KEYS
 from clbench.config import DataConfig, config_dir, validate
 from clbench.data import DeviceTransform, build_benchmark
 from clbench.data import archives as archive_checks
@@ -30,6 +31,7 @@ from clbench.data.image_folder import load_image
 from clbench.data.transforms import pil_resize, pil_weights, torchvision_crop_boxes
 from clbench.errors import ConfigError, DataError
 from clbench.loop import train
+from clbench.loop.resume import check_identity, identity
 from conftest import compose_config
 
 # PTM spec §7.3: np.random.seed(1993); np.random.permutation(N), its first 20 entries and the first 16 hex digits of
@@ -358,3 +360,15 @@ def test_a_run_on_the_pack_records_its_protocol_split_weights_both_metric_famili
          "shared_bits": 0, "memory_bits": 0}
         for t in (0, 1)
     ]  # fmt: skip
+
+
+def test_a_checkpoint_written_before_the_protocol_keys_resumes_and_one_of_another_protocol_does_not(
+    tmp_path: Path,
+) -> None:
+    cfg = validate(compose_config("data=digits_5tasks"))
+    saved = identity(cfg)
+    older = {**saved, "data": {k: v for k, v in saved["data"].items() if f"data.{k}" not in LATER_KEYS}}
+    assert check_identity(cfg, tmp_path, {"identity": older}) == []
+    other = {**saved, "data": {**saved["data"], "protocol": "P"}}
+    with pytest.raises(ConfigError, match=r"data\.protocol: checkpoint 'P', now 'clbench'"):
+        check_identity(cfg, tmp_path, {"identity": other})
