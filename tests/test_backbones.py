@@ -6,6 +6,7 @@ import hashlib
 from pathlib import Path
 
 import pytest
+import timm
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -121,3 +122,58 @@ def test_the_shipped_features_are_not_worse_than_random_ones_on_a_linear_probe()
     pretrained = linear_probe(validate(compose_config("logger.mode=disabled")))
     random = linear_probe(validate(compose_config("logger.mode=disabled", "backbone.pretrained=false")))
     assert sum(pretrained) / len(pretrained) >= sum(random) / len(random) + 3.0
+
+
+P_TAGS = ("augreg_in21k", "augreg_in21k_ft_in1k", "augreg2_in21k_ft_in1k")  # beside vit_base_patch16_224: orig_in21k
+
+
+@pytest.mark.parametrize("tag", P_TAGS)
+def test_the_protocol_p_backbones_are_vit_b16_named_by_their_exact_timm_tag(tag: str) -> None:
+    cfg = validate(compose_config(f"backbone=vit_base_patch16_224_{tag}", "data=cifar224_b0inc10")).backbone
+    assert (cfg.model, cfg.tag, cfg.img_size, cfg.normalize) == ("vit_base_patch16_224", tag, 224, False)
+    source = timm.models.get_pretrained_cfg(f"vit_base_patch16_224.{tag}").to_dict()
+    assert source["hf_hub_id"] == f"timm/vit_base_patch16_224.{tag}"  # what backbone.pretrained=true downloads
+    assert source["mean"] == source["std"] == (0.5, 0.5, 0.5)  # what normalize=true would feed (MIN's choice)
+
+
+def test_augreg_in21k_weights_load_headless_from_a_local_file_offline(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A checkpoint in timm's format with augreg_in21k's 21,843-class head (a shrunk ViT-B/16): the head is dropped,
+    every other weight loaded; the file is what the run records."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    shrink = dict(depth=1, embed_dim=32, num_heads=2)
+    source = timm.create_model("vit_base_patch16_224", pretrained=False, num_classes=21843, img_size=32, **shrink)
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(path))
+    cfg = BackboneConfig(
+        name="b", model="vit_base_patch16_224", tag="augreg_in21k", img_size=32, weights=str(path), kwargs=shrink
+    )
+    model = build_backbone(cfg)
+    assert model.num_classes == 0 and isinstance(model.head, torch.nn.Identity)
+    state, saved = model.state_dict(), source.state_dict()
+    assert saved["head.weight"].shape == (21843, 32) and set(state) == set(saved) - {"head.weight", "head.bias"}
+    assert all(torch.equal(state[k], saved[k]) for k in state)
+    assert model.pretrained_cfg["tag"] == "augreg_in21k" and weights_file(cfg, model) == path
+
+
+@pytest.mark.parametrize(
+    ("model", "tag", "message"),
+    [
+        ("vit_base_patch16_224", None, r"`backbone.tag`: None .* default tag \(augreg2_in21k_ft_in1k\).*orig_in21k"),
+        (
+            "vit_base_patch16_224_in21k",
+            None,
+            r"deprecated alias .* vit_base_patch16_224\.augreg_in21k\. Allowed: "
+            r"backbone\.model=vit_base_patch16_224 with backbone\.tag=augreg_in21k",
+        ),
+        ("vit_base_patch16_224.augreg_in21k", None, r"a tag inside the model name"),
+    ],
+)
+def test_a_bare_or_aliased_model_name_is_never_resolved_silently(model: str, tag: str | None, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_backbone(BackboneConfig(name="b", model=model, tag=tag, pretrained=True))
+    with pytest.raises(ConfigError, match=message):  # before any work
+        validate(compose_config("backbone=vit_base_patch16_224", f"backbone.model={model}", "backbone.tag=null",
+                                "backbone.pretrained=true"))  # fmt: skip
+    assert build_backbone(micro()).num_classes == 0  # a random initialisation needs no tag

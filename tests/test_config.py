@@ -21,7 +21,8 @@ def options(group: str) -> list[str]:
 def test_every_group_option_composes_and_validates(group: str) -> None:
     assert options(group), f"no options in conf/{group}"
     for name in options(group):
-        run_cfg = validate(compose_config(f"{group}={name}"))
+        pilot = group == "data" and "_b0inc" in name  # Protocol P: PILOT's pipeline, a 224 px ViT fed [0, 1] pixels
+        run_cfg = validate(compose_config(f"{group}={name}", *(["backbone=vit_base_patch16_224_augreg_in21k"] * pilot)))
         assert run_cfg.trainer.epochs >= 0
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from pathlib import Path
 
@@ -68,7 +69,18 @@ def test_image_folder_with_its_own_split(tmp_path: Path) -> None:
     bench = build_benchmark(folder_config(tmp_path, class_order_seed=None))
     assert [t.class_names for t in bench.tasks] == [("bird", "cat"), ("dog", "eel")]
     assert bench.train[0].x.shape == (4, 3, 16, 16) and bench.train[0].x.dtype == torch.uint8
-    assert len(bench.test[1]) == 2 and not bench.splits
+    assert len(bench.test[1]) == 2
+    files = sorted(str(f.relative_to(tmp_path / "ds")) for f in (tmp_path / "ds").rglob("*.png"))
+    assert bench.splits == [  # its own split, identified by the SHA-256 of the sorted relative paths
+        {
+            "folder": "ds",
+            "split": "train/ and test/",
+            "classes": 4,
+            "train_images": 8,
+            "test_images": 4,
+            "files_sha256": hashlib.sha256("\n".join(files).encode()).hexdigest(),
+        }
+    ]
     assert bench.train[1].x[bench.train[1].y == 3].float().mean().item() == pytest.approx(30.0, abs=1)  # eel = 30
 
 

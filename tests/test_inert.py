@@ -27,6 +27,7 @@ def test_a_warm_up_covering_every_epoch_is_said_with_the_share_of_the_lr_it_reac
         (("trainer.schedule=cosine", "trainer.lr_decay=0.9"), "trainer.lr_decay", "trainer.schedule=cosine"),
         (("data.train_crop=none", "data.crop_padding=2"), "data.crop_padding", "data.train_crop=none"),
         (("trainer.label_smoothing=0.1",), "trainer.label_smoothing", "trainer.mixup=0.0 and trainer.cutmix=0.0"),
+        (("data.folder_split=own", "data.split_seed=3"), "data.split_seed", "data.folder_split=own"),
     ],
 )
 def test_a_key_set_where_another_setting_makes_it_unused_is_said(

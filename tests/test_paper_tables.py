@@ -324,3 +324,39 @@ def test_the_meat_table_reads_each_datasets_final_til_accuracy_and_the_stored_si
     assert meat["Model size (MB) clbench"] == f"{size:.2f} ± 0.00" and meat["Model size (MB) paper"] == "96.00"
     (hat,) = [r for r in table_rows(md) if r["Method"] == "HAT"]
     assert hat["ImageNet paper"] == "–" and hat["runs"] == ""
+
+
+PILOT_TABLE = """
+name: pilot_demo
+title: "A Protocol-P table: Abar and A_T"
+citation: a test's numbers
+multirun: "clbench -m experiment=simplecil_cub_p_b0inc10 seed=0,1"
+metrics:
+  - {key: abar, label: Abar, reads: metrics.cil.avg_incremental_acc_micro}
+  - {key: last, label: A_T, reads: metrics.cil.final_acc_micro}
+rows:
+  - {label: SimpleCIL, preset: simplecil_cub_p_b0inc10, published: {abar: [85.0], last: [80.0]}}
+"""
+
+
+def test_a_table_can_lay_out_protocol_ps_micro_metrics_and_refuses_a_name_results_json_lacks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tables = tmp_path / "tables"
+    tables.mkdir()
+    (tables / "pilot_demo.yaml").write_text(PILOT_TABLE)
+    monkeypatch.setattr(paper_table, "TABLES", tables)
+    config = {"method": {"_target_": "clbench.methods.simplecil.SimpleCIL"}, "data": {"name": "cub_p_b0inc10"}}
+    for seed, (abar, last) in enumerate(((86.0, 81.0), (88.0, 83.0))):
+        metrics = {"final_acc": 70.0, "avg_incremental_acc_micro": abar, "final_acc_micro": last}
+        run = {"method": "simplecil", "backbone": "b", "benchmark": "cub_p_b0inc10", "seed": seed,
+               "status": "finished", "config": {**config, "seed": seed}, "acc_matrix": {"til": [], "cil": []},
+               "metrics": {"til": {}, "cil": metrics}}  # fmt: skip
+        job(tmp_path / "sweep", seed, ["experiment=simplecil_cub_p_b0inc10", f"seed={seed}"], run)
+    report_main(["--table", "pilot_demo", str(tmp_path / "sweep"), "--out", str(tmp_path / "table")])
+    (row,) = table_rows(capsys.readouterr().out)
+    assert (row["Abar clbench"], row["Abar paper"], row["Abar Δ"]) == ("87.00 ± 1.41", "85.00", "+2.00")
+    assert (row["A_T clbench"], row["A_T paper"], row["A_T Δ"]) == ("82.00 ± 1.41", "80.00", "+2.00")
+    (tables / "pilot_demo.yaml").write_text(PILOT_TABLE.replace("final_acc_micro", "final_acc_mikro"))
+    with pytest.raises(ValueError, match=r"reads 'metrics\.cil\.final_acc_mikro': not metrics\.<til\|cil>\.<"):
+        paper_table.load_table("pilot_demo")

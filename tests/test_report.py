@@ -363,3 +363,35 @@ def test_make_table_refuses_a_bad_readme_or_override_before_any_run(
     said = str(refused.value.code)
     assert said.startswith("clbench-table: ") and ("/nonexistent/README.md" in said or "trainer.epochs" in said)
     assert readme.read_bytes() == before
+
+
+def test_the_micro_metrics_and_the_test_time_cost_are_columns(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two seeds: A_T 40 and 44 (micro) beside final 50; the cost after the last task, the same for both, shown once:
+    1 and 3 passes, (2 x 8e6 + 8e6 + 0) bits = 3 MB."""
+    cost = {"forwards_per_test_image": {"til": 1, "cil": 3}, "stored_bits_per_task": [8e6, 8e6], "shared_bits": 8e6}
+    for seed, a_t in ((0, 40.0), (1, 44.0)):
+        write_run(tmp_path / "sweep" / str(seed), seed=seed, values={"cil.final_acc_micro": a_t},
+                  test_time_cost=[{"after_task": 1, **cost, "memory_bits": 0}])  # fmt: skip
+    text, rows = report(tmp_path, capsys)
+    (row,) = markdown_rows(text)
+    assert row["CIL final"] == "50.00 ± 0.00" and row["CIL A_T (micro)"] == f"42.00 ± {statistics.stdev([40, 44]):.2f}"
+    assert row["TIL Ā (micro)"] == "-"  # not measured by these runs
+    assert (row["TIL fwd/img"], row["CIL fwd/img"], row["stored MB"]) == ("1.00", "3.00", "3.00")
+    assert float(rows[0]["cil_final_acc_micro_mean"]) == 42.0 and rows[0]["cil_forwards_std"] == ""
+
+
+def test_keys_added_to_the_config_later_set_runs_apart_only_where_they_differ_from_the_old_behaviour(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A results.json written before data.protocol and the task-split keys existed, and a new run at their defaults:
+    one setting (one row, one W&B group); a Protocol-P run: another row, labelled by its protocol."""
+    write_run(tmp_path / "sweep" / "old", seed=0)
+    new = {"data.protocol": "clbench", "data.transforms": "clbench", "data.folder_split": "auto",
+           "data.init_classes": None, "data.increment": None}  # fmt: skip
+    write_run(tmp_path / "sweep" / "new", seed=1, changes=new)
+    write_run(tmp_path / "sweep" / "p", seed=0, changes={**new, "data.protocol": "P"})
+    text, _ = report(tmp_path, capsys)
+    rows = markdown_rows(text)
+    assert {r["setting"]: r["runs"] for r in rows} == {"protocol=clbench": "2", "protocol=P": "1"}

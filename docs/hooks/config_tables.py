@@ -4,7 +4,7 @@ A line ``<!-- config: GROUP -->`` in a page becomes the table of that group's sc
 ``top`` for the top-level keys of ``RunConfig``), and ``<!-- config: method/NAME -->`` the table of the ``Config``
 dataclass of the class that ``conf/method/NAME.yaml`` names, with the values that YAML sets and its trainer recipe
 (``method/*``: a section for every method shipped); ``<!-- config: datasets -->`` the table of every dataset read
-from files (``clbench.data.catalog``).
+from files (``clbench.data.catalog``), ``<!-- config: pilot_archives -->`` that of Protocol P's split archives.
 Each row is a field: its key, type, default and the comment that documents it in the source (the comment on its
 line, after the comment lines right above it), so no key is typed twice by hand.
 """
@@ -46,6 +46,8 @@ def table(name: str) -> str:
         return method_table(name.removeprefix("method/"))
     if name == "datasets":
         return datasets_table()
+    if name == "pilot_archives":
+        return pilot_archives_table()
     if name == "top":
         skip = {*config.GROUPS, "method", "method_target"}
         return rows(config.RunConfig, "", [f for f in dataclasses.fields(config.RunConfig) if f.name not in skip])
@@ -64,6 +66,18 @@ def datasets_table() -> str:
         for name, f in DATASETS.items()
     ]
     return "\n".join([head, *lines])
+
+
+def pilot_archives_table() -> str:
+    """Protocol P's split archives (clbench.data.catalog.PILOT_ARCHIVES): what the missing-data message names."""
+    from clbench.data.catalog import PILOT_ARCHIVES
+
+    head = "| folder | dataset | archive (published MD5) | get it from | layout under `data.root` | images |\n"
+    lines = [
+        f"| `{name}` | {escape(f.title)} | `{f.archive}` (`{f.md5}`) | {escape(f.url)} | {code(f.layout)} | {f.size} |"
+        for name, f in PILOT_ARCHIVES.items()
+    ]
+    return "\n".join([head + "|---" * 6 + "|", *lines])
 
 
 def method_table(name: str) -> str:

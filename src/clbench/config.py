@@ -41,6 +41,18 @@ def require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     require(value in choices, key, value, "one of " + ", ".join(choices))
 
 
+PROTOCOLS = ("clbench", "P", "D-clbench", "D-jax", "D-pytorch", "D-coda")  # data.protocol's names
+# data.transforms=pilot: PILOT's build_transform (utils/data.py), as these keys spell it; image files are stored at
+# 256 px, the test resize, so that the stored square's centre is Resize(256) + CenterCrop(224) of the image.
+PILOT_TRANSFORMS = {
+    "train_crop": "resized",
+    "resized_crop_scale": (0.05, 1.0),
+    "hflip": True,
+    "randaugment_ops": 0,
+    "random_erasing": 0.0,
+    "test_resize": 256,
+}
+
 # Sources a class-split benchmark reads (clbench.data.sources.BUILT_IN, plus image_folder); those of image files of any
 # size need data.store_size.
 FILE_SOURCES = ("image_folder", "gtsrb", "flowers102", "stanford_cars", "cub200")
@@ -58,7 +70,18 @@ class DataConfig:
     download: bool = False  # fetch the official archive into root if it is missing
     verify_checksums: bool = True  # false accepts a copy made by hand
     num_tasks: int | None = None  # train and evaluate only the first N tasks
-    class_order_seed: int | None = 1993  # iCaRL/PyCIL convention; null keeps the natural order
+    # The class order: np.random.seed(seed); np.random.permutation(N) (NumPy's legacy generator, as iCaRL, PyCIL and
+    # PILOT draw it; 1993 is their seed); null keeps the natural order (sorted folder names, the dataset's label ids)
+    class_order_seed: int | None = 1993
+    # The task split: null cuts the classes into `tasks` near-equal tasks; set (with increment), PILOT's rule: a first
+    # task of init_classes, then tasks of `increment` while they fit, the remainder as a last task ("B0 IncX": both X)
+    init_classes: int | None = None
+    increment: int | None = None  # ... the classes of every later task (PILOT's increment)
+    # The protocol the benchmark realises, recorded and kept apart in reports: clbench (the benchmark as its docs page
+    # defines it) | P (the PILOT/RevisitingCIL split archives, seed-1993 order, B0 IncX splits, PILOT's transforms) |
+    # D-clbench (Protocol D, the DualPrompt-family ImageNet-R 80/20 split, as clbench's seeded per-class split makes
+    # it) | D-jax, D-pytorch, D-coda (the DualPrompt JAX code's, dualprompt-pytorch's and CODA-Prompt's splits)
+    protocol: str = "clbench"
     # classes: the source's classes cut into `tasks` tasks | pixel_permutations: every task holds all of the source's
     # classes, each task's images under its own fixed pixel permutation (PermutedMNIST), seeded by permutation_seed
     tasks_by: str = "classes"
@@ -68,6 +91,10 @@ class DataConfig:
     permutation_size: int | None = None
     # Image folders and sequences of datasets (one task per dataset, in the listed order).
     folder: str | None = None  # source=image_folder: the folder under root
+    # An image folder's train/test split: auto (its own train/ and test/ (or val/) sub-folders where it has them, else
+    # seeded) | own (they must be there: a split archive) | seeded (per class by split_seed; refused where the folder
+    # has train/ and test/, which would be another split's files)
+    folder_split: str = "auto"
     datasets: list[str] = field(default_factory=list)  # source=sequence: built-in source names or folders under root
     store_size: int | None = None  # image folders and sequences: images stored RGB at this square size
     test_fraction: float = 0.2  # folders without train/test sub-folders: the seeded per-class test share
@@ -81,6 +108,10 @@ class DataConfig:
     store: str = "device"
     cache_dir: str | None = None  # the on-disk cache of store=stream|auto; null: <root>/clbench-cache
     stream_workers: int = 4  # store=stream: processes reading batches from the cache (0: in the training process)
+    # The whole image pipeline by name: clbench (the keys below) | pilot (PILOT's build_transform: train
+    # RandomResizedCrop(224, scale (0.05, 1), ratio (3/4, 4/3)) as torchvision draws it + flip, test Resize(256,
+    # PIL's bicubic) + CenterCrop(224), 8-bit pixels in [0, 1], no normalisation; the keys below must hold its values)
+    transforms: str = "clbench"
     # Train-time augmentation, applied in batches on the device.
     train_crop: str = "pad"  # pad: shift by up to crop_padding px | resized: RandomResizedCrop | none
     crop_padding: int = 4  # train_crop=pad: the largest shift, in pixels
@@ -163,6 +194,44 @@ class DataConfig:
             require(getattr(self, key) >= 1, f"data.{key}", getattr(self, key), "an integer >= 1")
         require(self.synthetic_image_size >= 4, "data.synthetic_image_size", self.synthetic_image_size, ">= 4")
         require(self.synthetic_channels in (1, 3), "data.synthetic_channels", self.synthetic_channels, "1 or 3")
+        self._check_protocol()
+
+    def _check_protocol(self) -> None:
+        """The task split rule, the named pipeline and the protocol label: each name means what it says."""
+        require_choice("data.protocol", self.protocol, PROTOCOLS)
+        require_choice("data.folder_split", self.folder_split, ("auto", "own", "seeded"))
+        require_choice("data.transforms", self.transforms, ("clbench", "pilot"))
+        for key in ("init_classes", "increment"):
+            value = getattr(self, key)
+            require(value is None or value >= 1, f"data.{key}", value, "null or an integer >= 1")
+        require(
+            (self.init_classes is None) == (self.increment is None),
+            "data.increment" if self.increment is None else "data.init_classes",
+            self.increment if self.increment is None else self.init_classes,
+            "set together with data.init_classes and data.increment (PILOT's rule needs both), or both null",
+        )
+        if self.increment is not None:
+            require(
+                self.source != "sequence" and self.tasks_by == "classes",
+                "data.increment",
+                self.increment,
+                "null with source=sequence or tasks_by=pixel_permutations (one task per dataset or permutation)",
+            )
+        if self.transforms == "pilot":
+            pilot = {**PILOT_TRANSFORMS, **({"store_size": 256} if self.source in ("sequence", *FILE_SOURCES) else {})}
+            for key, value in pilot.items():
+                found = tuple(getattr(self, key)) if key == "resized_crop_scale" else getattr(self, key)
+                require(found == value, f"data.{key}", found, f"{value} with data.transforms=pilot (PILOT's own value; "
+                        "data.transforms=clbench to change it)")  # fmt: skip
+        if self.protocol == "P":
+            require(self.increment is not None, "data.increment", None, "PILOT's increment with data.protocol=P")
+            require(self.transforms == "pilot", "data.transforms", self.transforms, "pilot with data.protocol=P")
+            require(
+                self.source != "image_folder" or self.folder_split == "own",
+                "data.folder_split",
+                self.folder_split,
+                "own with data.protocol=P (the split archive's train/ and test/ folders)",
+            )
 
 
 @dataclass
@@ -454,6 +523,7 @@ def validate(cfg: DictConfig) -> RunConfig:
         "plateau",
         "plateau once data.val_fraction > 0 (e.g. 0.1): it reads the validation loss after every epoch",
     )
+    check_backbone(groups["backbone"], groups["data"])
     blocker = host_drawn_augmentation(groups["trainer"], groups["data"])
     require(
         groups["trainer"].cuda_graphs is not True or blocker is None,
@@ -476,6 +546,27 @@ def validate(cfg: DictConfig) -> RunConfig:
     )
     method_cls.check_run(run)
     return run
+
+
+def check_backbone(backbone: BackboneConfig, data: DataConfig) -> None:
+    """Weights named by their exact tag; PILOT's pipeline (``data.transforms=pilot``) at 224 px without
+    normalisation, as PILOT feeds its ViTs."""
+    from clbench.backbones.timm_vit import require_tag  # timm: imported only once a run's config is checked
+
+    require_tag(backbone)
+    if data.transforms == "pilot":
+        require(
+            backbone.img_size == 224,
+            "backbone.img_size",
+            backbone.img_size,
+            "224 with data.transforms=pilot (PILOT's ViT-B/16 input; e.g. backbone=vit_base_patch16_224_augreg_in21k)",
+        )
+        require(
+            not backbone.normalize,
+            "backbone.normalize",
+            True,
+            "false with data.transforms=pilot (PILOT feeds pixels in [0, 1]; data.transforms=clbench to normalise)",
+        )
 
 
 def memory_sampler(memory: MemoryConfig, method_cls: type) -> str:
@@ -543,10 +634,10 @@ def check_objective(name: str, on_test: bool, data: DataConfig) -> None:
     )
     tasks = data.num_tasks or data.tasks
     require(
-        tasks > 1 or metric in ("final_acc", "avg_incremental_acc"),
+        tasks > 1 or metric in metrics.ONE_TASK,
         "objective",
         name,
-        f"final_acc or avg_incremental_acc with one task (data.num_tasks={tasks}): {metric} needs two tasks or more",
+        f"{', '.join(metrics.ONE_TASK)} with one task (data.num_tasks={tasks}): {metric} needs two tasks or more",
     )
     require(
         split == "validation" or on_test,

@@ -37,6 +37,8 @@ UNUSED = [
     Unused("data.resized_crop_scale", ("data.train_crop",), lambda crop: crop != "resized"),
     Unused("data.randaugment_magnitude", ("data.randaugment_ops",), lambda ops: ops == 0),
     Unused("data.val_seed", ("data.val_fraction",), lambda fraction: fraction == 0),
+    Unused("data.split_seed", ("data.folder_split",), lambda split: split == "own"),
+    Unused("data.test_fraction", ("data.folder_split",), lambda split: split == "own"),
     Unused("data.permutation_seed", ("data.tasks_by",), lambda tasks_by: tasks_by != "pixel_permutations"),
     Unused("data.permutation_size", ("data.tasks_by",), lambda tasks_by: tasks_by != "pixel_permutations"),
     Unused("backbone.refiner_expand", ("backbone.refiner",), lambda refiner: not refiner),

@@ -1,9 +1,13 @@
 """Continual-learning metrics from an accuracy matrix, in percent.
 
-``R[i][j]`` is the accuracy on task ``j`` after training task ``i`` (lower triangle; NaN above). With T tasks:
+``R[i][j]`` is the accuracy on task ``j`` after training task ``i`` (lower triangle; NaN above); ``n[j]`` is the
+number of task ``j``'s test images. With T tasks:
 
-- final_acc            = mean_j R[T-1][j]
-- avg_incremental_acc  = mean_i mean_{j<=i} R[i][j]
+- final_acc            = mean_j R[T-1][j]                                       per-task (macro) means: every task
+- avg_incremental_acc  = mean_i mean_{j<=i} R[i][j]                             counts once (Protocol D's FAA, CAA)
+- final_acc_micro      = A_T = A_{T-1}                                          Protocol P (PILOT): every seen test
+- avg_incremental_acc_micro = Abar = mean_i A_i,                                image counts once; equal to the
+                         A_i = sum_{j<=i} n[j] R[i][j] / sum_{j<=i} n[j]        macro ones when the tasks are equal
 - forgetting           = mean_{j<T-1} ( max_{l<T-1} R[l][j] - R[T-1][j] )       Chaudhry et al., ECCV 2018
 - forgetting_l2p       = mean_{j<T-1} ( max_{l<=T-1} R[l][j] - R[T-1][j] )      L2P/PILOT code: the max includes
                          the last stage, so each task's forgetting is clipped at 0
@@ -17,6 +21,7 @@ Metrics that need two tasks are ``None`` with one task.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -52,6 +57,21 @@ def avg_incremental_acc(matrix: Matrix) -> float:
     return float(np.mean([np.mean(r[i, : i + 1]) for i in range(len(r))]))
 
 
+def micro_accuracies(matrix: Matrix, sizes: Sequence[int]) -> list[float]:
+    """A_i after each stage: the accuracy over every seen test image, each counted once (PILOT's
+    ``accuracy()["total"]``): the per-task accuracies weighted by the tasks' test images."""
+    r, n = as_array(matrix), np.asarray(sizes[: len(matrix)], dtype=float)
+    return [float(np.dot(r[i, : i + 1], n[: i + 1]) / n[: i + 1].sum()) for i in range(len(r))]
+
+
+def final_acc_micro(matrix: Matrix, sizes: Sequence[int]) -> float:
+    return micro_accuracies(matrix, sizes)[-1]
+
+
+def avg_incremental_acc_micro(matrix: Matrix, sizes: Sequence[int]) -> float:
+    return float(np.mean(micro_accuracies(matrix, sizes)))
+
+
 def forgetting(matrix: Matrix) -> float | None:
     r = as_array(matrix)
     t = len(r)
@@ -83,21 +103,42 @@ def fwt(before_task: Sequence[float | None], random_init: Sequence[float | None]
     return float(np.mean([before_task[j] - random_init[j] for j in range(1, len(before_task))]))
 
 
-NAMES = ("final_acc", "avg_incremental_acc", "forgetting", "forgetting_l2p", "bwt", "fwt")  # summary()'s keys
+NAMES = (  # summary()'s keys
+    "final_acc",
+    "avg_incremental_acc",
+    "final_acc_micro",
+    "avg_incremental_acc_micro",
+    "forgetting",
+    "forgetting_l2p",
+    "bwt",
+    "fwt",
+)
+ONE_TASK = ("final_acc", "avg_incremental_acc", "final_acc_micro", "avg_incremental_acc_micro")  # defined with 1 task
 
 
 def summary(
-    matrix: Matrix, before_task: Sequence[float | None], random_init: Sequence[float | None] | None
+    matrix: Matrix,
+    before_task: Sequence[float | None],
+    random_init: Sequence[float | None] | None,
+    sizes: Sequence[int] | None = None,
 ) -> dict[str, float | None]:
-    """All metrics of one scenario (TIL or CIL)."""
+    """All metrics of one scenario (TIL or CIL); the micro ones need the tasks' image counts (``sizes``)."""
     return {
         "final_acc": final_acc(matrix),
         "avg_incremental_acc": avg_incremental_acc(matrix),
+        "final_acc_micro": final_acc_micro(matrix, sizes) if sizes is not None else None,
+        "avg_incremental_acc_micro": avg_incremental_acc_micro(matrix, sizes) if sizes is not None else None,
         "forgetting": forgetting(matrix),
         "forgetting_l2p": forgetting_l2p(matrix),
         "bwt": bwt(matrix),
         "fwt": fwt(before_task, random_init),
     }
+
+
+def stored_bits(cost: dict[str, Any]) -> int:
+    """The whole state a method stores after a stage (an entry of results.json's ``test_time_cost``): every seen
+    task's, the shared part and the rehearsal memory."""
+    return int(sum(cost["stored_bits_per_task"]) + cost["shared_bits"] + cost["memory_bits"])
 
 
 def parse_objective(name: str) -> tuple[str, str, str] | None:

@@ -31,6 +31,7 @@ import yaml
 
 from clbench.comparable import differing_keys, is_setting, setting
 from clbench.errors import ConfigError
+from clbench.metrics import NAMES, parse_objective
 
 TABLES = Path(__file__).resolve().parent / "tables"
 Run = dict[str, Any]
@@ -92,6 +93,10 @@ def load_table(name: str) -> PaperTable:
     for column in columns:
         if column.reads is not None and column.reads.split(".")[0] not in READERS:
             raise ValueError(f"{path}: metric {column.key} reads {column.reads!r}: not one of {', '.join(READERS)}")
+        if column.reads and column.reads.startswith("metrics.") and parse_objective(column.reads[8:]) is None:
+            raise ValueError(  # metrics.<til|cil>.<name>: a name results.json's metrics hold
+                f"{path}: metric {column.key} reads {column.reads!r}: not metrics.<til|cil>.<{'|'.join(NAMES)}>"
+            )
     rows = []
     for row in data["rows"]:
         published = {

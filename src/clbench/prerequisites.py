@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 from clbench.config import BackboneConfig, DataConfig
 from clbench.data.catalog import dataset_files
-from clbench.data.sources import BUILT_IN, reads_folder
+from clbench.data.sources import BUILT_IN, own_split, reads_folder
 from clbench.errors import DataError
 
 PROBE_TIMEOUT_S = 3.0  # how long the hub may take to accept a connection before it counts as unreachable
@@ -30,19 +30,38 @@ def needed_datasets(cfg: DataConfig) -> list[str]:
     return [] if name in MADE_WITHOUT_FILES or name is None else [name]
 
 
+def missing_paths(name: str, cfg: DataConfig, root: Path) -> list[Path]:
+    """The paths of dataset ``name`` that are not there: none when it can be read (an image folder, one that stands
+    in for a built-in layout, a built-in layout, or one ``data.download=true`` fetches)."""
+    files = dataset_files(name, cfg.protocol)
+    folder = root / name
+    if cfg.source == "image_folder" and cfg.folder_split == "own":  # the split archive's own train/ and test/
+        return [] if own_split(folder) else [p for p in (folder / "train", folder / "test") if not p.is_dir()]
+    if reads_folder(name, cfg) and folder.is_dir():
+        return []
+    if name in BUILT_IN and (files.present(root) or (cfg.download and files.downloads)):
+        return []
+    return [root / path for path in files.needs if not (root / path).exists()] or [folder]
+
+
 def missing_datasets(cfg: DataConfig) -> list[str]:
-    """One line for each dataset that is neither on disk nor fetched by ``data.download=true``."""
+    """One line for each dataset that is neither on disk nor fetched by ``data.download=true``: every missing path,
+    the layout, the archive and where it comes from."""
     root = Path(cfg.root).expanduser().resolve()
     lines = []
     for name in dict.fromkeys(needed_datasets(cfg)):
-        files = dataset_files(name)
-        if reads_folder(name, cfg) and (root / name).is_dir():
-            continue  # an image folder, or one that stands in for a built-in layout
-        if name in BUILT_IN and (files.present(root) or (cfg.download and files.downloads)):
+        missing = missing_paths(name, cfg, root)
+        if not missing:
             continue
-        fetch = "or run with data.download=true" if files.downloads else "and copy it there (data.download cannot)"
+        files = dataset_files(name, cfg.protocol)
+        if files.archive:
+            fetch = f"Get {files.archive} (MD5 {files.md5}) from {files.url} and extract it into {root}"
+        else:
+            how = "or run with data.download=true" if files.downloads else "and copy it there (data.download cannot)"
+            fetch = f"Get it from {files.url} {how}"
         lines.append(
-            f"{name}: {files.title} ({files.size}), expected as {root}/{files.layout}. Get it from {files.url} {fetch}."
+            f"{name}: {files.title} ({files.size}), expected as {root}/{files.layout}; missing: "
+            f"{', '.join(map(str, missing))}. {fetch}."
         )
     return lines
 

@@ -6,9 +6,11 @@ sweep over trainer.lr=1e-3,1e-4 and seed=0,1 gives two rows of two runs each.
 
 Columns: method, backbone and benchmark; setting, the config keys that set the row apart from the other rows of the
 same method, backbone and benchmark (e.g. "lr=0.001", "-" when there is no other); runs, the number of finished
-runs averaged; then for TIL and CIL the final accuracy, average incremental accuracy, forgetting, backward transfer
+runs averaged; then for TIL and CIL the final accuracy and average incremental accuracy as means over the tasks
+(macro), the same two over every seen test image (micro: Protocol P's A_T and Ā), forgetting, backward transfer
 (BWT) and forward transfer (FWT), in %, as mean ± sample std over the runs (the value alone for one run; "-" where
-no run measured it).
+no run measured it); then the test-time cost after the last task: backbone passes a test image (TIL, CIL) and the
+state the method stores (MB: per task, shared and rehearsal memory), the value alone where the runs agree.
 
 Runs that did not finish are listed with their status and failure, not averaged, as are Hydra job folders (those
 with a .hydra/ folder) that have no results.json, with their overrides and the last line of their log.
@@ -49,23 +51,35 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from clbench import paper_table
-from clbench.comparable import differing_keys, setting, short_names
+from clbench.comparable import LATER_KEYS, differing_keys, setting, short_names
 from clbench.errors import ConfigError
 from clbench.files import check_writable, write_atomic
+from clbench.metrics import stored_bits
 from clbench.paper_table import RECONSTRUCTED, booktabs, tex_escape
 
 Run = dict[str, Any]
 SCENARIOS = ("til", "cil")
-METRICS = ("final_acc", "avg_incremental_acc", "forgetting", "bwt", "fwt")
+METRICS = (
+    "final_acc",
+    "avg_incremental_acc",
+    "final_acc_micro",
+    "avg_incremental_acc_micro",
+    "forgetting",
+    "bwt",
+    "fwt",
+)
 LABELS = {
     "final_acc": "final",
     "avg_incremental_acc": "avg inc",
+    "final_acc_micro": "A_T (micro)",
+    "avg_incremental_acc_micro": "Ā (micro)",
     "forgetting": "forgetting",
     "bwt": "BWT",
     "fwt": "FWT",
 }
-COLUMNS = [f"{s}_{m}" for s in SCENARIOS for m in METRICS]
-HEADERS = [f"{s.upper()} {LABELS[m]}" for s in SCENARIOS for m in METRICS]
+COST = {"til_forwards": "TIL fwd/img", "cil_forwards": "CIL fwd/img", "stored_mb": "stored MB"}  # after the last task
+COLUMNS = [f"{s}_{m}" for s in SCENARIOS for m in METRICS] + list(COST)
+HEADERS = [f"{s.upper()} {LABELS[m]}" for s in SCENARIOS for m in METRICS] + list(COST.values())
 REQUIRED = ("method", "backbone", "benchmark", "metrics", "acc_matrix")
 LOG_TAIL_BYTES = 65536
 
@@ -91,9 +105,26 @@ class Row:
         return f"{self.method} †" if self.reconstructed else self.method
 
     def stat(self, column: str) -> tuple[float | None, float | None]:
-        """Mean and sample std of ``<scenario>_<metric>`` over the runs that measured it (std None for one)."""
+        """Mean and sample std of a column over the runs that measured it (std None for one run, and for a cost the
+        runs agree on)."""
+        values = [value(r, column) for r in self.runs]
+        if column in COST and len({v for v in values if v is not None}) == 1:
+            return next(v for v in values if v is not None), None
+        return mean_std(values)
+
+
+def value(run: Run, column: str) -> float | None:
+    """A column's value in a run: ``<scenario>_<metric>`` from its metrics, or a test-time cost after its last task
+    (results.json ``test_time_cost``; None in a run that did not record it)."""
+    if column not in COST:
         scenario, metric = column.split("_", 1)
-        return mean_std([r["metrics"].get(scenario, {}).get(metric) for r in self.runs])
+        return run["metrics"].get(scenario, {}).get(metric)
+    costs = run.get("test_time_cost") or []
+    if not costs:
+        return None
+    if column == "stored_mb":
+        return stored_bits(costs[-1]) / 8e6
+    return costs[-1]["forwards_per_test_image"][column.split("_", maxsplit=1)[0]]
 
 
 @dataclass
@@ -201,7 +232,20 @@ def malformed(run: Run) -> str | None:
         )
         if not ok:
             return f"acc_matrix.{scenario} is not a matrix of numbers"
+    costs = run.get("test_time_cost")
+    if costs is not None and not (isinstance(costs, list) and all(map(is_cost, costs))):
+        return "test_time_cost is not a list of costs (forwards per test image, stored bits)"
     return None
+
+
+def is_cost(cost: Any) -> bool:
+    """Whether an entry of ``test_time_cost`` holds what the report reads, as numbers."""
+    try:
+        forwards, per_task = cost["forwards_per_test_image"], cost["stored_bits_per_task"]
+        numbers = [forwards["til"], forwards["cil"], cost["shared_bits"], cost["memory_bits"], *per_task]
+    except (KeyError, TypeError):
+        return False
+    return all(map(is_number, numbers))
 
 
 def load(paths: list[Path]) -> tuple[list[Run], list[Skipped]]:
@@ -236,7 +280,8 @@ def labels(configs: list[dict[str, Any]]) -> list[str]:
     keys = differing_keys(configs)
     names = short_names(keys)
     settings = [setting(c) for c in configs]
-    return [", ".join(f"{names[k]}={compact(s[k]) if k in s else 'unset'}" for k in keys) for s in settings]
+    absent = {k: compact(LATER_KEYS[k]) if k in LATER_KEYS else "unset" for k in keys}  # at its old value: left out
+    return [", ".join(f"{names[k]}={compact(s[k]) if k in s else absent[k]}" for k in keys) for s in settings]
 
 
 def without_duplicates(runs: list[Run], folders: list[Path]) -> tuple[list[Run], list[Skipped]]:

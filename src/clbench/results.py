@@ -15,9 +15,12 @@ from clbench.files import write_atomic
 class Results:
     """Accuracy matrices and everything else results.json holds, filled in task by task."""
 
-    def __init__(self, header: dict[str, Any], tasks: list[Task]) -> None:
+    def __init__(self, header: dict[str, Any], tasks: list[Task], sizes: dict[str, list[int]] | None = None) -> None:
+        """``sizes``: each split's (test, validation) number of images per task, which the micro metrics weigh the
+        tasks' accuracies by."""
         self.header = header
         self.tasks = tasks
+        self.sizes = sizes or {}
         self.status = "running"
         self.failure: str | None = None
         t = len(tasks)
@@ -33,6 +36,7 @@ class Results:
         self.acceleration: dict[str, Any] = {}  # how the step ran: compiled, CUDA graphs, compile time, fallbacks
         # per training phase: {"task", "phase", and the scalars trained of each part (clbench.loop.trained_parts)}
         self.trained_parameters: list[dict[str, Any]] = []
+        self.test_time_cost: list[dict[str, Any]] = []  # per stage: forwards per test image, the state stored
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results (the rest comes from the config)."""
@@ -46,6 +50,7 @@ class Results:
             "storage": self.storage,
             "extra": self.extra,
             "trained_parameters": self.trained_parameters,
+            "test_time_cost": self.test_time_cost,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -53,6 +58,7 @@ class Results:
         self.validation_rows, self.diagnostics = state["validation_rows"], state["diagnostics"]
         self.timing, self.storage, self.extra = state["timing"], state["storage"], state["extra"]
         self.trained_parameters = state.get("trained_parameters", [])  # absent in a checkpoint written before it
+        self.test_time_cost = state.get("test_time_cost", [])  # the same
 
     @property
     def stages(self) -> int:
@@ -81,13 +87,14 @@ class Results:
         if self.stages == 0 or rows is None:
             return {}
         out = {}
+        sizes = self.sizes.get(split)
         for s in SCENARIOS:
             square = [row[: self.stages] for row in rows[s]]
             if split == "test":
                 rand = self.random_init[s][: self.stages] if self.random_init else None
-                out[s] = metrics.summary(square, self.before_task[s][: self.stages], rand)
+                out[s] = metrics.summary(square, self.before_task[s][: self.stages], rand, sizes)
             else:
-                out[s] = metrics.summary(square, [None] * self.stages, None)
+                out[s] = metrics.summary(square, [None] * self.stages, None, sizes)
         return out
 
     def objective_value(self, name: str) -> float | None:
@@ -108,7 +115,7 @@ class Results:
             **self.header,
             "status": self.status,
             **({"failure": self.failure} if self.failure else {}),
-            "tasks": [{"id": t.id, "classes": list(t.classes), "class_names": list(t.class_names)} for t in self.tasks],
+            "tasks": [self.task_entry(t) for t in self.tasks],
             "acc_matrix": {s: self.rows[s] for s in SCENARIOS},
             "forgetting_matrix": {s: self.forgetting_rows(s) for s in SCENARIOS},
             "metrics": self.metrics(),
@@ -119,10 +126,34 @@ class Results:
             **({"objective": self.objective} if self.objective else {}),
             "storage": self.storage,
             "trained_parameters": self.trained_parameters,
+            "test_time_cost": self.test_time_cost,
             "timing": self.timing,
             **({"acceleration": self.acceleration} if self.acceleration else {}),
             **self.extra,
         }
+
+    def task_entry(self, task: Task) -> dict[str, Any]:
+        """results.json's entry for ``task``: its classes and its number of images in each split."""
+        counts = {f"{split}_images": sizes[task.id] for split, sizes in self.sizes.items()}
+        return {"id": task.id, "classes": list(task.classes), "class_names": list(task.class_names), **counts}
+
+    def record_cost(self, forwards: dict[str, int], storage: dict[str, Any]) -> None:
+        """The test-time cost after the latest stage: backbone forwards one test image costs in each scenario, and
+        the bits the method stores per seen task, shared by all, and in its rehearsal memory."""
+
+        def bits(entry: dict[str, Any]) -> int:
+            return int(sum(v for v in entry.values() if isinstance(v, int | float)))
+
+        memory = storage.get("memory") or {}
+        self.test_time_cost = [c for c in self.test_time_cost if c["after_task"] != self.stages - 1] + [
+            {
+                "after_task": self.stages - 1,
+                "forwards_per_test_image": dict(forwards),
+                "stored_bits_per_task": [bits(entry) for entry in storage.get("bits_per_task", [])],
+                "shared_bits": bits(storage.get("shared_bits") or {}),
+                "memory_bits": 8 * sum(v for k, v in memory.items() if k.startswith("bytes_")),
+            }
+        ]
 
     def record_trained(self, task: int, phase: str, counts: dict[str, int]) -> bool:
         """Keep what a phase trains (once: a resumed phase replaces its entry); whether it differs from the phase

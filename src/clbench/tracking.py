@@ -22,6 +22,7 @@ from clbench.comparable import method_name, setting_name
 from clbench.config import LoggerConfig
 from clbench.evaluation import SCENARIOS
 from clbench.files import write_atomic
+from clbench.metrics import stored_bits
 from clbench.results import Results
 
 log = logging.getLogger(__name__)
@@ -29,8 +30,10 @@ console = Console(stderr=True)
 
 _SCENARIO_TITLES = {"til": "task-incremental (task id given)", "cil": "class-incremental (no task id)"}
 _METRIC_LABELS = {
-    "final_acc": "final acc",
-    "avg_incremental_acc": "avg incremental acc",
+    "final_acc": "final acc (mean over tasks)",
+    "avg_incremental_acc": "avg incremental acc (mean over tasks)",
+    "final_acc_micro": "A_T (every image once)",
+    "avg_incremental_acc_micro": "Ā (every image once)",
     "forgetting": "forgetting (Chaudhry)",
     "forgetting_l2p": "forgetting (L2P code)",
     "bwt": "BWT",
@@ -183,9 +186,21 @@ def say(*objects: Any, terminal: bool = True) -> None:
             handler.flush()
 
 
+def cost_line(cost: dict[str, Any]) -> str:
+    """The test-time cost after a stage, in one line."""
+    forwards, per_task, stored = cost["forwards_per_test_image"], cost["stored_bits_per_task"], stored_bits(cost)
+    return (
+        f"Test-time cost after task {cost['after_task']}: {forwards['til']} (TIL) / {forwards['cil']} (CIL) backbone "
+        f"passes a test image; stored state {stored / 8e6:.3f} MB ({max(per_task, default=0) / 8e6:.3f} MB for the "
+        f"largest task, {cost['shared_bits'] / 8e6:.3f} MB shared, {cost['memory_bits'] / 8e6:.3f} MB of memory)"
+    )
+
+
 def print_summary(results: Results, run_dir: Path) -> None:
     for table in summary_tables(results):
         say(table)
+    if results.test_time_cost:
+        say(cost_line(results.test_time_cost[-1]))
     say(
         f"[bold]Run folder:[/bold] {run_dir}  (results.json, CSVs, heatmap_til.png, heatmap_cil.png, "
         "task_confusion_cil.png)"

@@ -78,8 +78,39 @@ def sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def require_tag(cfg: BackboneConfig) -> None:
+    """Weights are named exactly, by model and tag: timm resolves a bare name (or a deprecated alias such as
+    ``vit_base_patch16_224_in21k``) to whichever tag its version makes the default, and that has changed between
+    versions (the ``_in21k`` weights went from Google's original to AugReg's). A tag inside ``model`` belongs in
+    ``backbone.tag``. Refused before any work, naming the tags to choose from. A local file (``backbone.weights``)
+    is its own name (its SHA-256 is recorded); without a tag, timm's default tag gives only its input statistics,
+    which results.json records (``backbone_config.timm_tag``, ``input_mean``, ``input_std``)."""
+    import timm.models
+
+    model, _, tag_in_name = cfg.model.partition(".")
+    deprecated = timm.models.get_deprecated_models().get(cfg.model)
+    if tag_in_name or deprecated:
+        now = deprecated or cfg.model
+        name, _, tag = now.partition(".")
+        raise ConfigError(
+            f"Invalid value for `backbone.model`: {cfg.model!r} names its weights by "
+            + ("a deprecated alias timm resolves to " if deprecated else "a tag inside the model name, ")
+            + f"{now}. Allowed: backbone.model={name} with backbone.tag={tag or '<a tag>'}."
+        )
+    if cfg.tag is None and cfg.pretrained and not cfg.weights and timm.is_model(model):
+        tags = [t.partition(".")[2] for t in timm.models.list_pretrained(f"{model}.*")]
+        default = getattr(timm.models.get_pretrained_cfg(model), "tag", None)
+        raise ConfigError(
+            f"Invalid value for `backbone.tag`: None with backbone.pretrained=true: timm would resolve {model} to its "
+            f"current default tag ({default}), which differs between timm versions. Allowed: the tag of the weights, "
+            f"one of {', '.join(tags) or '(none: this model has no pretrained weights)'}."
+        )
+
+
 def build_backbone(cfg: BackboneConfig) -> VisionTransformer:
-    """The configured ViT without a classifier; raises a clear error when weights cannot be had."""
+    """The configured ViT without a classifier; raises a clear error when weights cannot be had or are not named
+    exactly (:func:`require_tag`)."""
+    require_tag(cfg)
     shipped = cfg.tag in SHIPPED_WEIGHTS  # clbench's tag, not timm's: the architecture is the bare model
     name = f"{cfg.model}.{cfg.tag}" if cfg.tag and not shipped else cfg.model
     if not timm.is_model(cfg.model):

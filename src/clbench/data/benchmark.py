@@ -19,12 +19,14 @@ import torch
 import torch.nn.functional as F
 
 from clbench.config import DataConfig, require
-from clbench.data.cache import cached_source
+from clbench.data.archives import check_archive
+from clbench.data.cache import cache_root, cached_source
+from clbench.data.catalog import dataset_files
 from clbench.data.image_folder import seeded_split
 from clbench.data.sources import SourceData, load_named_source
 from clbench.data.stream import DiskImages, Rows
 from clbench.distributed import Ranks
-from clbench.errors import ConfigError
+from clbench.errors import ConfigError, DataError
 
 
 @dataclass(frozen=True)
@@ -188,28 +190,62 @@ def free_memory(device: torch.device) -> int:
 
 
 def class_order(num_classes: int, seed: int | None) -> np.ndarray:
-    """The class permutation: seeded as iCaRL/PyCIL do (``np.random.seed(seed); permutation``)."""
+    """The class permutation: seeded as iCaRL, PyCIL and PILOT do (``np.random.seed(seed);
+    np.random.permutation(num_classes)``: the legacy generator, which a ``RandomState(seed)`` of its own reproduces
+    without touching NumPy's global state); the identity for ``seed=None``."""
     if seed is None:
         return np.arange(num_classes)
     return np.random.RandomState(seed).permutation(num_classes)
 
 
-def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
-    """Permute the classes, cut them into ``cfg.tasks`` near-equal tasks and keep the first ``num_tasks``."""
-    num_classes = len(source.class_names)
-    if cfg.tasks > num_classes:
+def pilot_increments(num_classes: int, init_classes: int, increment: int) -> list[int]:
+    """PILOT's task sizes (``DataManager.__init__``): ``init_classes``, then ``increment`` while the classes so far
+    plus one more increment stay below ``num_classes``, then what remains as a last task."""
+    if init_classes > num_classes:
         raise ConfigError(
-            f"Invalid value for `data.tasks`: {cfg.tasks}. Allowed: at most {num_classes} "
-            f"(the number of classes in {cfg.source})."
+            f"Invalid value for `data.init_classes`: {init_classes}. Allowed: at most {num_classes} (the classes of "
+            "the benchmark)."
         )
+    sizes = [init_classes]
+    while sum(sizes) + increment < num_classes:
+        sizes.append(increment)
+    rest = num_classes - sum(sizes)
+    return sizes + ([rest] if rest > 0 else [])
+
+
+def task_chunks(order: np.ndarray, cfg: DataConfig, source_name: str) -> list[np.ndarray]:
+    """The class order cut into tasks: PILOT's rule with ``data.increment``, else ``data.tasks`` near-equal parts;
+    the task count must be ``data.tasks`` either way."""
+    num_classes = len(order)
+    if cfg.increment is None:
+        require(
+            cfg.tasks <= num_classes, "data.tasks", cfg.tasks, f"at most {num_classes} (the classes of {source_name})"
+        )
+        return np.array_split(order, cfg.tasks)
+    assert cfg.init_classes is not None  # set together (DataConfig)
+    sizes = pilot_increments(num_classes, cfg.init_classes, cfg.increment)
+    require(
+        len(sizes) == cfg.tasks,
+        "data.tasks",
+        cfg.tasks,
+        f"{len(sizes)}: the tasks that init_classes={cfg.init_classes}, increment={cfg.increment} make of the "
+        f"{num_classes} classes of {source_name} ({', '.join(map(str, sizes))} classes)",
+    )
+    return np.split(order, np.cumsum(sizes)[:-1])
+
+
+def split_into_tasks(source: SourceData, cfg: DataConfig) -> Benchmark:
+    """Permute the classes, cut them into tasks (:func:`task_chunks`) and keep the first ``num_tasks``."""
+    num_classes = len(source.class_names)
     order = class_order(num_classes, cfg.class_order_seed)
+    chunks = task_chunks(order, cfg, cfg.folder if cfg.source == "image_folder" else cfg.source)
     position = np.empty(num_classes, dtype=np.int64)
     position[order] = np.arange(num_classes)  # original label -> global label
     remap = torch.from_numpy(position)
     train_y, test_y = remap[source.train_y], remap[source.test_y]
 
     tasks, train, test, offset = [], [], [], 0
-    for task_id, chunk in enumerate(np.array_split(order, cfg.tasks)[: cfg.num_tasks or cfg.tasks]):
+    for task_id, chunk in enumerate(chunks[: cfg.num_tasks or cfg.tasks]):
         names = tuple(source.class_names[c] for c in chunk)
         tasks.append(Task(task_id, tuple(int(c) for c in chunk), names, offset))
         lo, hi = offset, offset + len(chunk)
@@ -283,6 +319,17 @@ def sequence_of_datasets(cfg: DataConfig, load: Load) -> Benchmark:
     return Benchmark(cfg.name, tasks, train, test, splits)
 
 
+def check_archives(cfg: DataConfig, ranks: Ranks) -> None:
+    """The MD5 of every split archive the benchmark's data came from, where the archive lies in ``data.root``
+    (:mod:`clbench.data.archives`); rank 0 checks, every rank stops on a mismatch."""
+    names = cfg.datasets if cfg.source == "sequence" else [cfg.folder if cfg.source == "image_folder" else cfg.source]
+    for name in dict.fromkeys(names):
+        files = dataset_files(str(name), cfg.protocol)
+        problem = ranks.broadcast(check_archive(files, cfg, cache_root(cfg)) if ranks.is_main else None)
+        if problem:
+            raise DataError(problem)
+
+
 def build_benchmark(
     cfg: DataConfig,
     device: torch.device = CPU,
@@ -291,6 +338,8 @@ def build_benchmark(
 ) -> Benchmark:
     """Load the configured source(s), make the tasks, hold out the validation split and put the images where
     ``data.store`` says: in memory (then ``.to(device)`` moves them) or in the on-disk cache, streamed to ``device``."""
+
+    check_archives(cfg, ranks)
 
     def load(name: str, rgb_size: int | None) -> SourceData:
         if cfg.store == "device":

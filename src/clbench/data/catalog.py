@@ -4,7 +4,8 @@ facts the "missing data" message and the docs' data table are made from (one pla
 ``layout`` starts with the dataset's folder under ``data.root``. ``needs`` lists the paths, relative to
 ``data.root``, whose presence says the dataset is there (the readers check checksums and contents when they load
 it). A folder ``<name>/{train,test}/<class>/*`` of images stands in for any built-in layout
-(:func:`clbench.data.sources.reads_folder`).
+(:func:`clbench.data.sources.reads_folder`). :data:`PILOT_ARCHIVES` holds the split archives of Protocol P
+(``data.protocol=P``): the same folder names as some entries of :data:`DATASETS` (``imagenet-r``), another layout.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ class DatasetFiles:
     size: str
     downloads: bool
     needs: tuple[str, ...]
+    archive: str | None = None  # the file to download and extract into data.root, where the maintainers give one
+    md5: str | None = None  # ... and its MD5 as they publish it (checked where the archive lies in data.root)
 
     def present(self, root: Path) -> bool:
         return all((root / path).exists() for path in self.needs)
@@ -180,8 +183,83 @@ DATASETS: dict[str, DatasetFiles] = {
 }
 
 
-def dataset_files(name: str) -> DatasetFiles:
-    """The catalogue's entry for ``name``; a folder it does not know is an image folder ``<name>/``."""
+_REVISITING_CIL = "https://github.com/zhoudw-zdw/RevisitingCIL#dataset"
+
+
+def _pilot(title: str, folder: str, size: str, *, drive: str | None, archive: str, md5: str) -> DatasetFiles:
+    """A split archive of Protocol P: the maintainers' train/test folders, as PILOT's ImageFolder reads them."""
+    url = f"https://drive.google.com/file/d/{drive} ({_REVISITING_CIL} lists a OneDrive mirror)" if drive else None
+    return DatasetFiles(
+        title,
+        url or f"{_REVISITING_CIL} (its OneDrive link, or its file list over the original dataset)",
+        f"{folder}/{{train,test}}/<class>/* ({archive} extracted, its folder named {folder})",
+        size,
+        False,
+        (f"{folder}/train", f"{folder}/test"),
+        archive,
+        md5,
+    )
+
+
+# Protocol P's split archives: RevisitingCIL's README (links) and its issue #5 (MD5 sums); PILOT reads the same
+# folders (utils/data.py). Image counts: MIN (NeurIPS 2025) Table 6 where it gives them.
+PILOT_ARCHIVES: dict[str, DatasetFiles] = {
+    "imagenet-r": _pilot(
+        "ImageNet-R, the PILOT/RevisitingCIL split (200 classes)",
+        "imagenet-r",
+        "24,000 + 6,000 images",
+        drive="1SG4TbiL8_DooekztyCVK8mPmfhMo8fkR",
+        archive="imagenet-r.zip",
+        md5="730aa3fb9c7d2ec0b6381c6b23040681",
+    ),
+    "imagenet-a": _pilot(
+        "ImageNet-A, the PILOT/RevisitingCIL split (200 classes)",
+        "imagenet-a",
+        "5,960 + 1,515 images",
+        drive="19l52ua_vvTtttgVRziCZJjal0TPE9f2p",
+        archive="ina.zip",
+        md5="7f4aaf0b1532b7a0bd670822c152d3c5",
+    ),
+    "cub": _pilot(
+        "CUB-200-2011, the PILOT/RevisitingCIL split (200 classes; not the official 5,994 / 5,794)",
+        "cub",
+        "9,430 + 2,358 images",
+        drive="1XbUpnWpJPnItt5zQ6sHJnsjPncnNLvWb",
+        archive="cub.zip",
+        md5="85e342a2d5f941e740193602057df7a5",
+    ),
+    "objectnet": _pilot(
+        "ObjectNet, the PILOT/RevisitingCIL split (200 classes)",
+        "objectnet",
+        "size not published",
+        drive=None,
+        archive="objnet.tgz",
+        md5="63ff7443a47bd682016a8ec59b8cc1bc",
+    ),
+    "omnibenchmark": _pilot(
+        "OmniBenchmark, the PILOT/RevisitingCIL split (300 classes)",
+        "omnibenchmark",
+        "89,697 + 5,985 images",
+        drive="1AbCP3zBMtv_TDXJypOCnOgX8hJmvJm3u",
+        archive="omnibenchmark.zip",
+        md5="f1c30808a707f9197c6c811ea52e5cbb",
+    ),
+    "vtab": _pilot(
+        "VTAB, the PILOT/RevisitingCIL 50-class subset (5 tasks of 10)",
+        "vtab",
+        "size not published",
+        drive="1xUiwlnx4k0oDhYi26KL5KwrCAya-mvJ_",
+        archive="vtab.zip",
+        md5="a9c37bde6105a2516c900b0c33a437c1",
+    ),
+}
+
+
+def dataset_files(name: str, protocol: str = "clbench") -> DatasetFiles:
+    """The catalogue's entry for ``name`` (a Protocol-P split archive under ``protocol="P"``); a folder it does not
+    know is an image folder ``<name>/``."""
+    if protocol == "P" and name in PILOT_ARCHIVES:
+        return PILOT_ARCHIVES[name]
     return DATASETS.get(name) or DatasetFiles(
         name,
         "your own images",

@@ -455,7 +455,9 @@ def own_split(folder: Path) -> tuple[Path, Path] | None:
 
 
 def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
-    """An image-folder dataset with its own train/test split, or split per class with ``data.split_seed``."""
+    """An image-folder dataset with its own train/test split, or split per class with ``data.split_seed``
+    (``data.folder_split`` says which it must be). Either way the split is recorded: the seed and the test files'
+    SHA-256, or the classes, counts and SHA-256 of the whole file list (what identifies a split archive's copy)."""
     folder = Path(cfg.root).expanduser() / folder_name
     if not folder.is_dir():
         raise DataError(
@@ -465,11 +467,31 @@ def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
             f"{folder_name}/."
         )
     assert cfg.store_size is not None  # checked by DataConfig
-    split = None
-    if own := own_split(folder):
-        classes = list_classes(own[0])
+    own = own_split(folder)
+    if own is None and cfg.folder_split == "own":
+        raise DataError(
+            f"The image folder {folder} has no train/ and test/ sub-folders, and data.folder_split=own reads a split "
+            f"archive's own split: expected {folder}/train/<class>/* and {folder}/test/<class>/*."
+        )
+    if own is not None and cfg.folder_split == "seeded":
+        raise DataError(
+            f"The image folder {folder} holds {own[0].name}/ and {own[1].name}/ (a split archive's own split), and "
+            f"data.folder_split=seeded splits {folder}/<class>/* by data.split_seed: another realisation of the "
+            "benchmark. Keep the two under different data.root folders."
+        )
+    if own:
+        classes = same_classes(*own)
         train_files, train_y = list_images(own[0], classes)
         test_files, test_y = list_images(own[1], classes)
+        require_every_class(own, classes, train_y, test_y)
+        split = {
+            "folder": folder_name,
+            "split": f"{own[0].name}/ and {own[1].name}/",
+            "classes": len(classes),
+            "train_images": len(train_files),
+            "test_images": len(test_files),
+            "files_sha256": split_digest(train_files + test_files, folder),
+        }
     else:
         classes = list_classes(folder)
         files, labels = list_images(folder, classes)
@@ -489,6 +511,31 @@ def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
     train_x = load_images(train_files, cfg.store_size, cfg.decode_workers)
     test_x = load_images(test_files, cfg.store_size, cfg.decode_workers)
     return SourceData(train_x, torch.from_numpy(train_y), test_x, torch.from_numpy(test_y), classes, split)
+
+
+def same_classes(train: Path, test: Path) -> list[str]:
+    """The class folders of a split, the same in both halves: a class is its position among the sorted folder names
+    of each half (torchvision's ImageFolder), so a folder only one half has would shift every label after it."""
+    classes, other = list_classes(train), list_classes(test)
+    if classes != other:
+        only = [f"only in {half}: {', '.join(sorted(set(a) - set(b))[:8])}" for half, a, b in
+                ((train, classes, other), (test, other, classes)) if set(a) - set(b)]  # fmt: skip
+        raise DataError(
+            f"{train} and {test} do not hold the same class folders ({len(classes)} and {len(other)}; "
+            f"{'; '.join(only)}). A split archive's two halves list the same classes: extract it again."
+        )
+    return classes
+
+
+def require_every_class(halves: tuple[Path, Path], classes: list[str], *labels: np.ndarray) -> None:
+    """Each class folder of each half holds an image (torchvision's ImageFolder refuses one that does not)."""
+    for half, y in zip(halves, labels, strict=True):
+        empty = [classes[c] for c in sorted(set(range(len(classes))) - set(y.tolist()))]
+        if empty:
+            raise DataError(
+                f"{len(empty)} class folder(s) of {half} hold no image ({', '.join(empty[:8])}): every class of a "
+                "split needs training and test images (suffixes: jpg, jpeg, png, bmp, ...)."
+            )
 
 
 BUILT_IN: dict[str, Callable[[DataConfig], SourceData]] = {

@@ -8,7 +8,7 @@ from typing import Any
 
 from clbench import checkpoint
 from clbench.checkpoint import Position
-from clbench.comparable import flatten, is_setting
+from clbench.comparable import LATER_KEYS, flatten, is_setting
 from clbench.config import RunConfig, as_dict
 from clbench.data import Task
 from clbench.errors import ConfigError, DataError
@@ -38,7 +38,7 @@ def check_identity(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> list
     """Refuse to resume ``run_dir`` with a checkpoint written for another run (naming every key that differs). Keys
     that cannot change the results (where the data lives and how it is read: :data:`clbench.comparable.NOT_A_SETTING`
     but the seed; ``data.val_seed`` without a validation split) may differ: returns them, ``key: before -> now``."""
-    saved, now = flatten(state["identity"]), flatten(identity(cfg))
+    saved, now = LATER_KEYS | flatten(state["identity"]), flatten(identity(cfg))  # an older checkpoint: old values
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
     no_validation = not saved.get("data.val_fraction") and not now.get("data.val_fraction")
     # The seed sets two runs of one setting apart, so it is not a setting; a resumed run must keep it all the same.

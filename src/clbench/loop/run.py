@@ -26,11 +26,11 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from clbench import __version__, checkpoint, distributed
-from clbench.backbones import sha256, weights_file
+from clbench.backbones import input_stats, sha256, weights_file
 from clbench.checkpoint import Cursor, Position
 from clbench.comparable import method_name
 from clbench.config import RunConfig, as_dict, full_config
-from clbench.data import Task
+from clbench.data import Benchmark, Task
 from clbench.errors import DataError, Preempted
 from clbench.files import (
     RESULTS_FILE,
@@ -97,8 +97,11 @@ def recorded(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> Results:
     except (OSError, ValueError, KeyError, TypeError) as err:
         raise DataError(f"{run_dir} holds a finished run whose results.json cannot be read ({err}).") from None
     offsets = np.cumsum([0, *(len(t["classes"]) for t in tasks)])
+    sizes = {
+        s: [t[f"{s}_images"] for t in tasks] for s in ("test", "validation") if all(f"{s}_images" in t for t in tasks)
+    }
     results = Results(header(cfg), [Task(t["id"], tuple(t["classes"]), tuple(t["class_names"]), int(offsets[i]))
-                                    for i, t in enumerate(tasks)])  # fmt: skip
+                                    for i, t in enumerate(tasks)], sizes)  # fmt: skip
     results.restore(state["results"])
     results.status = "finished"
     if cfg.objective is not None:
@@ -111,7 +114,7 @@ def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool,
     method and data are built (a value only the built model can check, missing data) or its checkpoint is loaded into
     them (values that do not fit) has not begun to write the folder: the CLI gives it back as it was."""
     method, rt = build_runtime(cfg)
-    results = Results(header(cfg), rt.benchmark.tasks)
+    results = Results(header(cfg), rt.benchmark.tasks, image_counts(rt.benchmark))
     loaded = start_record(cfg, method, rt, results, main)
     position, wandb_id = Position(0, 0), None
     if saved is not None:  # a checkpoint that does not fit the run its config builds is refused here too
@@ -232,6 +235,7 @@ def record_task(method: Method, task: Task, rt: Runtime, results: Results) -> fl
     results.storage = method.storage()
     if method.memory is not None:
         results.storage["memory"] = method.memory.storage()
+    results.record_cost(method.forwards_per_test_image(), results.storage)
     results.extra = method.extra_results()
     return time.perf_counter() - start
 
@@ -259,12 +263,19 @@ def measure_random_init(method: Method, rt: Runtime) -> dict[str, list[float]]:
     return acc
 
 
+def image_counts(benchmark: Benchmark) -> dict[str, list[int]]:
+    """Each split's number of images per task (test, and validation where held out)."""
+    splits = {"test": benchmark.test, "validation": benchmark.validation}
+    return {name: [len(split) for split in data] for name, data in splits.items() if data}
+
+
 def header(cfg: RunConfig) -> dict[str, Any]:
     return {
         "clbench_version": __version__,
         "method": method_name(cfg.method_target),
         "backbone": cfg.backbone.name,
         "benchmark": cfg.data.name,
+        "protocol": cfg.data.protocol,
         "seed": cfg.seed,
         "class_order_seed": cfg.data.class_order_seed,
         "method_config": as_dict(cfg.method),
@@ -284,9 +295,13 @@ def start_record(cfg: RunConfig, method: Method, rt: Runtime, results: Results, 
     # numbers as the paper's.
     results.header["reconstructed"] = method.reconstructed
     loaded = weights_file(cfg.backbone, method.backbone)
+    mean, std = input_stats(method.backbone, cfg.backbone)
     results.header["backbone_config"] |= {
         "weights_file": str(loaded) if loaded else None,
         "weights_sha256": sha256(loaded) if loaded else None,  # two runs on different weights never look alike
+        "timm_tag": (method.backbone.pretrained_cfg or {}).get("tag"),  # the tag timm built it with (stats, weights)
+        "input_mean": list(mean),  # what the pixels in [0, 1] are normalised with (0 and 1: not at all)
+        "input_std": list(std),
     }
     if rt.benchmark.splits:
         results.header["data_splits"] = rt.benchmark.splits

@@ -242,7 +242,9 @@ def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) 
         if backbone.pretrained
         else "random initialisation (backbone.pretrained=false)"
     )
-    first = f"backbone: {backbone.name}, {params:.1f}M parameters at {backbone.img_size} px, {source}"
+    mean, std = input_stats(method.backbone, backbone)
+    pixels = f"input normalised with mean {mean}, std {std}" if backbone.normalize else "input pixels in [0, 1]"
+    first = f"backbone: {backbone.name}, {params:.1f}M parameters at {backbone.img_size} px, {source}, {pixels}"
     if backbone.name == "vit_micro":
         presets = paper_presets(cfg)
         how = f"experiment={presets[0]}" if presets else "backbone=deit_small_patch16_224 backbone.pretrained=true"

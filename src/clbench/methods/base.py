@@ -294,6 +294,13 @@ class Method(nn.Module):
         return out.masked_fill(owner[None, :] != chosen[:, None], float("-inf"))
 
     # ----------------------------------------------------------------------------- bookkeeping
+    def forwards_per_test_image(self) -> dict[str, int]:
+        """Backbone forward passes one test image costs after the tasks seen so far, predicted alone in each scenario
+        (results.json's ``test_time_cost``): TIL reads the given task's path, one pass; CIL one pass over the
+        concatenated heads, or, for a task-conditioned method's lowest-entropy task inference, one pass per seen
+        task. A method whose :meth:`predict` costs otherwise overrides it."""
+        return {"til": 1, "cil": self.num_seen if self.task_conditioned else 1}
+
     def storage(self) -> dict[str, Any]:
         """What the method keeps per task, in bits, by component; and its trainable parameter count."""
         return {

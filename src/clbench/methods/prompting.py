@@ -249,6 +249,11 @@ class PromptMethod(Method):
             self.test_counts.zero_()  # the histogram of the evaluation that follows
 
     # ----------------------------------------------------------------------------- bookkeeping
+    def forwards_per_test_image(self) -> dict[str, int]:
+        """Two passes in both scenarios: the unprompted query pass, then the prompted pass (the task id never picks
+        the prompts)."""
+        return {"til": 2, "cil": 2}
+
     def storage(self) -> dict[str, Any]:
         """Per task, the head; the prompt parameters shared by all tasks (subclasses move per-task slices to the
         task)."""

@@ -188,6 +188,16 @@ class SupSup(ScoredMaskMethod):
             out |= {f"head.{t}.out_features": torch.tensor(h.out_features) for t, h in enumerate(self.heads)}
         return out
 
+    def forwards_per_test_image(self) -> dict[str, int]:
+        """TIL: the given task's mask, one pass. CIL (:meth:`predict`), with k seen tasks: lowest_entropy, one pass a
+        mask (k); one_shot, one superposed pass (k mask products a layer, and its backward for dH/dalpha), then the
+        inferred task's pass (2; 1 with one task); binary, ceil(log2 k) superposed passes, then that pass."""
+        k = self.num_seen
+        if self.config.inference == "lowest_entropy":
+            return {"til": 1, "cil": k}
+        superposed = int(k >= 2) if self.config.inference == "one_shot" else (k - 1).bit_length()  # ceil(log2 k)
+        return {"til": 1, "cil": superposed + 1}
+
     def storage(self) -> dict[str, Any]:
         out = super().storage()
         if self.config.head == "masked":  # the head's mask: one bit a weight of the shared output layer
