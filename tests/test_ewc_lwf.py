@@ -21,6 +21,7 @@ from clbench.methods.lwf import LwF, distillation
 from conftest import crash_and_resume, tiny_config
 from oracles import ewc_reference as ewc_ref
 from oracles import lwf_reference as lwf_ref
+from oracles import rehearsal_reference as rehearsal_ref
 
 FISHER = Phase("fisher", 1, observe=True)
 
@@ -276,8 +277,47 @@ def test_a_recorded_teacher_reads_back_the_teachers_logits_by_position() -> None
     torch.testing.assert_close(method.teacher_targets(x, t1, ids), torch.cat(frozen.logits(x), 1), rtol=1e-5, atol=1e-6)
 
 
+def test_mammoths_lwf_setting_warms_up_on_the_new_block_and_adds_wd_reg() -> None:
+    """mammoth@cb9a36d models/lwf.py: the warm-up's CE over the new classes' logits only
+    (``classifier(feats)[:, mask]``, labels shifted), whatever the later CE; the training loss CE over the seen
+    classes + alpha * KD over the old classes (one softmax, T = 2) + wd_reg * the sum of every squared parameter."""
+    alpha, wd_reg = 3.0, 5e-4
+    overrides = ("method.loss_scope=seen", "method.scope=cil", f"method.lam={alpha}", f"method.wd_reg={wd_reg}")
+    method, rt = trained_first_task(*overrides, "data.num_tasks=3", "method.teacher=online")
+    t1 = rt.benchmark.tasks[1]
+    method.before_task(t1)
+    torch.manual_seed(2)
+    x, y = torch.randn(6, 3, 16, 16), torch.randint(t1.offset, t1.offset + t1.num_classes, (6,))
+    method.before_phase(t1, Phase("warmup", 1))
+    with torch.no_grad():
+        warm, _ = method.training_loss(x, y, t1)
+        new_block = method.seen_logits(method.features(x, 1))[:, t1.offset :]
+    assert warm.item() == pytest.approx(
+        rehearsal_ref.mean(rehearsal_ref.cross_entropy_rows(new_block.tolist(), (y - t1.offset).tolist())), rel=1e-5
+    )
+    method.before_phase(t1, Phase("train", 1))
+    with torch.no_grad():  # the student moves away from its teacher: the distillation is not trivial
+        for p in method.backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        loss, _ = method.training_loss(x, y, t1)
+        seen_logits = method.seen_logits(method.features(x, 1))
+        old = torch.cat(method.teacher.logits(x), 1)
+    ce = rehearsal_ref.mean(rehearsal_ref.cross_entropy_rows(seen_logits.tolist(), y.tolist()))
+    kd = lwf_ref.lwf_kd([seen_logits[:, : t1.offset].tolist()], [old.tolist()], 2.0, "cil")
+    squares = sum(float(p.double().square().sum()) for p in (*method.backbone.parameters(), *method.heads.parameters()))
+    assert loss.item() == pytest.approx(ce + alpha * kd + wd_reg * squares, rel=1e-5)
+
+
+def test_a_recorded_teacher_under_mixing_is_refused() -> None:
+    """The student would see a mix of two images while its targets are the clean image's: online only."""
+    with pytest.raises(ConfigError, match=r"method\.teacher.*online with trainer\.mixup"):
+        tiny_config("method=lwf", "method.teacher=recorded", "trainer.mixup=0.8")
+    tiny_config("method=lwf", "method.teacher=online", "trainer.cutmix=1.0")
+
+
 def test_lwf_config_is_validated() -> None:
-    for bad in ("method.lam=-1", "method.T=0", "method.T=inf", "method.scope=both", "method.warmup_epochs=-1"):
+    for bad in ("method.lam=-1", "method.T=0", "method.T=inf", "method.scope=both", "method.warmup_epochs=-1",
+                "method.wd_reg=-1"):  # fmt: skip
         with pytest.raises(ConfigError, match=r"method\."):
             tiny_config("method=lwf", bad)
 

@@ -429,6 +429,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     method = _typed(method_cls.Config, params, "method")
     require_finite(method, "method")
     check_memory(groups["memory"], method_cls)
+    method_cls.check_trainer(method, groups["trainer"])
     require(
         groups["trainer"].cil_classes == "seen" or method_cls.scores_unseen_classes(),
         "trainer.cil_classes",

@@ -105,6 +105,11 @@ class Method(nn.Module):
         sets one is warned at its start (a sweep over it would give equal results)."""
         return {}
 
+    @staticmethod
+    def check_trainer(config: Any, trainer: Any) -> None:
+        """Refuse, before any work, a setting of the method that cannot train under ``trainer`` (its
+        :class:`~clbench.config.TrainerConfig`): raise :class:`~clbench.errors.ConfigError` naming the keys."""
+
     # ----------------------------------------------------------------------------- lifecycle hooks
     @property
     def num_seen(self) -> int:
