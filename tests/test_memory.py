@@ -215,7 +215,10 @@ def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
 
 @pytest.mark.parametrize(
     "overrides",
-    [("method=derpp",), ("method=bic", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2")],
+    [
+        ("method=derpp",),
+        ("method=bic", "memory.size=null", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2"),
+    ],
 )
 def test_a_streamed_run_replays_what_a_run_held_on_the_device_replays(
     tmp_path: Path, overrides: tuple[str, ...]
@@ -265,8 +268,9 @@ def test_a_replaying_loss_compiles_as_one_graph(overrides: tuple[str, ...]) -> N
 
 
 def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_stage_sees() -> None:
-    """BiC's split (⌊0.1 · quota⌋ a class, at least one): a new class's validation images are drawn at the task's
-    start and left out of every training phase's data; the memory keeps them apart from its training images."""
+    """BiC's split (⌊0.1 · share⌋ a class, at least one): a new class's validation images are drawn at the task's
+    start and left out of every training phase's data; the bias stage (before the memory update) sees them, and
+    afterwards the memory keeps them apart from its training images."""
     from clbench.data import Split
     from clbench.loop.task import phase_data
     from clbench.methods.base import Phase
@@ -287,7 +291,15 @@ def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_st
     plan = mem.plan(TASK, labels)
     mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0, first=0)
     validation = phase_data(Owner, Phase("bias", 1, data="validation"), split)  # type: ignore[arg-type]
-    assert sorted(validation.x[:, 0, 0, 0].tolist()) == mem.held_out
+    assert sorted(validation.x[:, 0, 0, 0].tolist()) == sorted(mem.held_out)  # now the memory's, read once
     memory_part = phase_data(Owner, Phase("fit", 1, data="memory"), split)  # type: ignore[arg-type]
     assert len(memory_part) == 18 and not set(memory_part.x[:, 0, 0, 0].tolist()) & set(mem.held_out)
     assert mem.storage()["validation_samples"] == 2
+    second = Task(1, (2, 3), ("c", "d"), 2)
+    labels2 = torch.tensor([2, 3] * 20)
+    mem.start_task(second, labels2)
+    split2 = Split(images_of(list(range(100, 140))), labels2)
+    before_update = phase_data(Owner, Phase("bias", 1, data="validation"), split2)  # type: ignore[arg-type]
+    assert sorted(before_update.y.tolist()) == [0, 1, 2, 3]  # the old classes' from the memory, the new ones' held out
+    old_validation = set(validation.x[:, 0, 0, 0].tolist())
+    assert set(before_update.x[:, 0, 0, 0].tolist()) == old_validation | {100 + r for r in mem.held_out}

@@ -21,9 +21,12 @@ SGD = ("trainer.optimizer=sgd", "trainer.momentum=0.0", "trainer.weight_decay=0.
 
 
 def preset_keys(preset: str, *keys: str) -> tuple[str, ...]:
-    """``key=value`` overrides of ``keys`` as the paper preset composes them."""
+    """``key=value`` overrides of ``keys`` as the paper preset composes them (a key the preset's config does not have
+    is left to the default)."""
     cfg = compose_config(f"experiment={preset}")
-    return tuple(f"{key}={OmegaConf.select(cfg, key)}" for key in keys)
+    absent = object()
+    values = {key: OmegaConf.select(cfg, key, default=absent) for key in keys}
+    return tuple(f"{key}={'null' if v is None else v}" for key, v in values.items() if v is not absent)
 
 
 # ------------------------------------------------------------------------------------------------------ ER and DER++
@@ -115,3 +118,73 @@ def test_lwf_under_meat_mixing_distils_towards_the_teacher_on_the_students_own_m
         train(tiny_config("method=lwf", *keys, "method.lam=1.0"), tmp_path)
     assert seen["mixed"], "the step under test was not mixed"
     assert seen["kd_grad"] < 1e-6, f"the distillation pulls the student at its first step: {seen['kd_grad']}"
+
+
+# ------------------------------------------------------------------------------------------------------------- BiC
+def test_bic_validates_on_old_class_counts_and_herds_every_class_again_with_the_new_model(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2P Table 1's BiC row (its memory and teacher settings from the preset) on a fixed total of K = 50 images, 3
+    tasks of 2 classes: the bias stage of task t takes floor(0.1 K / n_old) images of every seen class (task 1: 2 each,
+    task 2: 1 each); after each task every class keeps ceil(K / n) - ceil(0.1 K / n) exemplars (n = 2: 22, n = 4: 11),
+    the new classes' chosen by herding among their images, the old classes' by herding on the NEW model's features
+    among their current exemplars, in herding's order (imagenet_main.py L439-535)."""
+    from clbench.loop import task as task_module
+    from clbench.loop import train
+
+    total = 50
+    keys = preset_keys("l2p_table1_bic_10", "memory.reselect", "method.teacher")
+    overrides = ("method=bic", "memory.per_class=null", f"memory.size={total}", *keys)
+    cfg = tiny_config(*overrides, "method.bias_epochs=1", "trainer.epochs=1", "trainer.eval_random_init=false")
+    validation: dict[int, list[int]] = {}
+    expected: dict[int, dict[int, list[int]]] = {}
+    kept: dict[int, dict[int, list[int]]] = {}
+    real_data, real_update = task_module.phase_data, task_module.update_memory
+
+    def phase_data(method, phase, split, streamed_from=None):
+        data = real_data(method, phase, split, streamed_from)
+        if phase.name == "bias":
+            validation[method.num_seen - 1] = torch.bincount(data.y.cpu(), minlength=6).tolist()
+        return data
+
+    def update_memory(method, task, rt) -> None:
+        memory, images = method.memory, rt.benchmark.train[task.id]
+        seen = task.offset + task.num_classes
+        count = ref.bic_exemplars_per_class(total, seen)
+        method.eval()
+        with torch.no_grad():  # the new model's features: the memory's exemplars (old classes), the task's images
+            held = memory.labels[: memory.capacity].clone()
+            training = (held >= 0) & ~memory.validation[: memory.capacity]
+            slot_features = method.features(rt.test_tf(memory.images[: memory.capacity]), task.id)
+            task_features = method.features(rt.test_tf(images.x), task.id)
+        want = {}
+        for c in range(seen):
+            if c < task.offset:  # an old class: its exemplars in memory, where each came from
+                slots = (training & (held == c)).nonzero().flatten()
+                pool, sources = slot_features[slots], memory.source[slots]
+            else:  # a new class: its images of the task, less the validation ones
+                rows = [r for r in (images.y == c).nonzero().flatten().tolist() if r not in memory.held_out]
+                first = sum(len(s) for s in rt.benchmark.train[: task.id])
+                pool, sources = task_features[rows], torch.tensor(rows) + first
+            want[c] = [int(sources[i]) for i in ref.herding_order(pool, count)]
+        expected[task.id] = want
+        real_update(method, task, rt)
+        labels, order = memory.labels[: memory.capacity], memory.rank[: memory.capacity]
+        training = (labels >= 0) & ~memory.validation[: memory.capacity]
+        kept[task.id] = {}
+        for c in range(seen):
+            slots = (training & (labels == c)).nonzero().flatten()
+            ranked = sorted(slots.tolist(), key=lambda slot: int(order[slot]))
+            kept[task.id][c] = [int(memory.source[slot]) for slot in ranked]
+
+    monkeypatch.setattr(task_module, "phase_data", phase_data)
+    monkeypatch.setattr(task_module, "update_memory", update_memory)
+    train(cfg, tmp_path)
+
+    n_old = {1: 2, 2: 4}
+    for t, counts in validation.items():
+        per_class = ref.bic_validation_per_class(total, n_old[t])
+        assert counts == [per_class] * (n_old[t] + 2) + [0] * (4 - n_old[t]), f"task {t}'s bias stage: {counts}"
+    assert sorted(validation) == [1, 2]
+    for t in (0, 1):
+        assert kept[t] == expected[t], f"after task {t}: the memory's exemplars are not the official herding's"

@@ -305,6 +305,9 @@ class MemoryConfig:
     per_class: int | None = None  # images kept a class (null: no per-class budget)
     size: int | None = None  # a fixed total number of images (null: no fixed budget)
     batch_size: int | None = None  # memory images a replayed draw adds to each step (null: trainer.batch_size)
+    # herding: after each task, the old classes' images chosen again by herding on the current model's features (BiC's
+    # code) | false: an old class keeps the first ones chosen (iCaRL's ReduceExemplarSet)
+    reselect: bool = False
 
     def __post_init__(self) -> None:
         require_choice("memory.sampler", self.sampler, ("auto", *SAMPLERS))
@@ -509,6 +512,13 @@ def check_memory(memory: MemoryConfig, method_cls: type) -> None:
         memory.sampler,
         f"auto, {' or '.join(HOLDING_OUT)} with {name}: its bias stage trains on the validation images these samplers "
         "hold out of each class",
+    )
+    require(
+        not (memory.active and memory.reselect and memory_sampler(memory, method_cls) != "herding"),
+        "memory.reselect",
+        True,
+        f"false with the {memory_sampler(memory, method_cls)} sampler: only herding chooses the old classes' images "
+        "again",
     )
 
 

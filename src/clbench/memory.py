@@ -16,7 +16,14 @@ Samplers:
   random subset of its images; with a fixed ``size``, older classes give up their last-chosen slots so that every
   seen class holds ``size // seen classes``.
 - ``herding`` (BiC, iCaRL): as ``balanced``, the subset chosen by herding on the model's features: greedily the image
-  that brings the mean of the chosen features closest to the class mean; a shrink keeps the first chosen.
+  that brings the mean of the chosen features closest to the class mean; a shrink keeps the first chosen (iCaRL), or
+  with ``memory.reselect`` the old classes' images are chosen again by herding on the current model's features among
+  their own (BiC's code).
+
+A method that holds a validation share out (BiC, ``holdout`` 0.1) keeps BiC's counts: with K images and n classes,
+⌈K / n⌉ − ⌈0.1 · K / n⌉ training and ⌊0.1 · K / n⌋ validation images a class (:meth:`Memory.exemplar_count`,
+:meth:`Memory.validation_count`); a new class's validation images are drawn at its task's start, counted over the old
+classes (what that task's bias stage takes of every class), and left out of its training.
 - ``greedy`` (GDumb): the task's images as a stream in a random order; an image of a class not in memory, or of a
   class holding fewer than ``capacity // classes in memory``, is stored, evicting (when full) a random image of the
   class holding most (ties broken at random); otherwise it is dropped. No task boundary is needed.
@@ -41,6 +48,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -58,11 +66,13 @@ NO_LIMIT = 2**62  # the reservoir offers every image
 
 @dataclass
 class Plan:
-    """What a task sampler decided: slots it frees, and {slot: (row of the task's training data, rank within its
-    class and part, whether it is a held-out validation image)} it fills."""
+    """What a task sampler decided: slots it frees, {slot: (row of the task's training data, rank within its class
+    and part, whether it is a held-out validation image)} it fills, and {slot: new rank} of the images it keeps in a
+    new order (herding's re-selection)."""
 
     freed: list[int] = field(default_factory=list)
     taken: dict[int, tuple[int, int, bool]] = field(default_factory=dict)
+    ranked: dict[int, int] = field(default_factory=dict)
 
     def rows(self) -> list[int]:
         """The task's rows the plan stores, sorted (the order :meth:`Memory.write` reads their images in)."""
@@ -89,6 +99,7 @@ class Memory(nn.Module):
         super().__init__()
         self.sampler, self.per_class, self.num_classes = sampler, config.per_class, num_classes
         self.capacity = config.size if config.size is not None else config.per_class * num_classes
+        self.reselect = config.reselect  # herding: the old classes' images chosen again on the current features
         rows = self.capacity + 1  # the last row is scratch
         device = torch.device(device)
         # ``host``: the images in pinned host memory that the CUDA device reads and writes in place; the checkpoint
@@ -111,8 +122,11 @@ class Memory(nn.Module):
         # Where a task sampler's image came from: its position in the benchmark's training data, all tasks in order
         # (-1: stored by a step sampler, which does not record it).
         self.register_buffer("source", torch.full((rows,), -1, dtype=torch.long, device=device))
-        self.holdout = holdout  # the share of each class's images in memory held out for validation
-        self.held_out: list[int] = []  # rows of the current task's training data held out of its training
+        self.holdout = Fraction(str(holdout))  # the share of each class's images in memory held out for validation
+        # rows of the current task's training data held out of its training (each class's in the order drawn), and
+        # those of them a task sampler has not stored yet (the bias stage before the memory update reads them there)
+        self.held_out: list[int] = []
+        self.pending: list[int] = []
         self.keeps_logits = logits
         if logits:  # DER++: the logits over the classes seen at insertion, padded to every class, and their width
             self.register_buffer("logits", torch.zeros((rows, num_classes), dtype=torch.float32, device=device))
@@ -147,29 +161,49 @@ class Memory(nn.Module):
         return Split(DiskImages.cat([split.x for split in streamed_from])[source], self.labels[held])
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"held": self.held, "region": list(self.region), "held_out": list(self.held_out)}
+        return {"held": self.held, "region": list(self.region), "held_out": self.held_out, "pending": self.pending}
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.held = int(state["held"])
         lo, length, limit = (int(v) for v in state["region"])
         self.region = (lo, length, limit)
         self.held_out = [int(r) for r in state.get("held_out", [])]
+        self.pending = [int(r) for r in state.get("pending", [])]
 
-    def validation_share(self, quota: int) -> int:
-        """Of a class's ``quota`` images in memory, those held out for validation: ⌊holdout · quota⌋, at least one
-        (BiC's code: ⌊0.1 · nb_proto⌋ of its nb_proto exemplars a class)."""
-        return max(1, int(self.holdout * quota)) if self.holdout else 0
+    def share(self, classes: int) -> Fraction:
+        """The images a class may hold when ``classes`` classes share the memory: ``per_class``, or ``size`` / classes
+        (not rounded: the task samplers round as their codes do)."""
+        return Fraction(self.per_class) if self.per_class is not None else Fraction(self.capacity, classes)
+
+    def validation_count(self, classes: int) -> int:
+        """Of a class's :meth:`share`, the images held out for validation: ⌊holdout · share⌋, at least one (BiC's code:
+        nb_val_itera = ⌊0.1 · K / n⌋ with K images in all and n classes, imagenet_main.py L439; clbench keeps one where
+        that is 0, so that a small memory still has a bias stage)."""
+        return max(1, math.floor(self.holdout * self.share(classes))) if self.holdout else 0
+
+    def exemplar_count(self, classes: int) -> int:
+        """Of a class's :meth:`share`, the training images a task sampler keeps: ⌊share⌋ (iCaRL's m = K // n), or with
+        a validation share BiC's ⌈K / n⌉ − ⌈0.1 · K / n⌉ (imagenet_main.py L488-489), at most ⌊share⌋ less the
+        validation images (so that the memory never holds more than K)."""
+        share = self.share(classes)
+        if not self.holdout:
+            return math.floor(share)
+        official = math.ceil(share) - math.ceil(self.holdout * share)
+        return min(official, math.floor(share) - self.validation_count(classes))
 
     def start_task(self, task: Task, labels: torch.Tensor) -> None:
         """At a task's start (``labels``: its training images' labels, on the host): the validation images held out of
-        its training (a random :meth:`validation_share` of each new class), and the uniform sampler's slots for the
-        task and its count of offered images, from zero."""
+        its training, a random :meth:`validation_count` of each new class, counted over the old classes as BiC's code
+        does for its bias stage (imagenet_main.py L439; the first task's over its own classes, what the second task's
+        bias stage takes of them); and the uniform sampler's slots for the task and its count of offered images, from
+        zero."""
         if self.holdout:
-            share = self.validation_share(self.quota(task.offset + task.num_classes))
+            count = self.validation_count(task.offset or task.num_classes)
             picks = [(labels == c).nonzero().flatten() for c in range(task.offset, task.offset + task.num_classes)]
-            if any(len(rows) <= share for rows in picks):
-                raise ValueError(f"a class of task {task.id} has too few images to hold {share} out for validation")
-            self.held_out = sorted(r for rows in picks for r in rows[torch.randperm(len(rows))[:share]].tolist())
+            if any(len(rows) <= count for rows in picks):
+                raise ValueError(f"a class of task {task.id} has too few images to hold {count} out for validation")
+            self.held_out = [r for rows in picks for r in rows[torch.randperm(len(rows))[:count]].tolist()]
+            self.pending = list(self.held_out)
         if self.sampler != "uniform":
             return
         classes, images = self.num_classes, len(labels)
@@ -180,10 +214,6 @@ class Memory(nn.Module):
             length = self.capacity * (task.offset + task.num_classes) // classes - lo
         self.region = (lo, length, images)
         self.offered.zero_()
-
-    def quota(self, seen_classes: int) -> int:
-        """Images a class keeps once ``seen_classes`` classes have been seen (balanced and herding samplers)."""
-        return self.per_class if self.per_class is not None else self.capacity // seen_classes
 
     # ----------------------------------------------------------------------------- reservoir (in the step)
     def insert(
@@ -225,37 +255,63 @@ class Memory(nn.Module):
         return order[torch.where(take < count, take, spare)]
 
     # ----------------------------------------------------------------------------- task samplers (after a task)
-    def plan(self, task: Task, labels: torch.Tensor, features: torch.Tensor | None = None) -> Plan:
+    def plan(
+        self,
+        task: Task,
+        labels: torch.Tensor,
+        features: torch.Tensor | None = None,
+        held_features: torch.Tensor | None = None,
+    ) -> Plan:
         """Which of the task's training images (``labels``: their global labels, on the host; ``features``: their
-        features, for herding) the memory takes, into which slots, and which slots it frees. Host-side, once a
-        task; random choices come from the default CPU generator (checkpointed), the same on every rank."""
+        features, for herding) the memory takes, into which slots, and which slots it frees. Every seen class keeps
+        :meth:`exemplar_count` training images and :meth:`validation_count` validation ones: an old class its first
+        ones, or (``reselect``, herding) the training images that herding on ``held_features`` (the current model's
+        features of the held images, one row a slot) chooses again among its own (BiC's code herds every class of the
+        step on the new model's features, imagenet_main.py L493-535). Host-side, once a task; random choices come from
+        the default CPU generator (checkpointed), the same on every rank."""
         if self.sampler == "greedy":
             return self._greedy(labels)
         seen = task.offset + task.num_classes
-        quota = self.quota(seen)
-        share = self.validation_share(quota)
-        if quota - share < 1:
+        keep, share = self.exemplar_count(seen), self.validation_count(seen)
+        if keep < 1:
             raise ValueError(f"a memory of {self.capacity} images cannot hold one image of each of {seen} classes")
         held = self.labels[: self.capacity].cpu() >= 0
         validation = self.validation[: self.capacity].cpu()
-        # each old class keeps its first `quota - share` training images and its first `share` validation ones
-        shrunk = held & (self.rank[: self.capacity].cpu() >= torch.where(validation, share, quota - share))
+        plan = Plan()
+        if self.reselect and task.offset:
+            assert held_features is not None, "re-selecting by herding needs the held images' features"
+            plan.ranked = self._herd_again(held & ~validation, held_features, keep)
+            shrunk = held & ~validation & ~_mask(plan.ranked, self.capacity)
+        else:  # each old class keeps its first `keep` training images
+            shrunk = held & ~validation & (self.rank[: self.capacity].cpu() >= keep)
+        shrunk |= held & validation & (self.rank[: self.capacity].cpu() >= share)  # ... and its first validation ones
         free = (~held | shrunk).nonzero().flatten().tolist()
-        plan = Plan(freed=shrunk.nonzero().flatten().tolist())
+        plan.freed = shrunk.nonzero().flatten().tolist()
         out = torch.zeros(len(labels), dtype=torch.bool)
         out[self.held_out] = True
         for c in range(task.offset, seen):
             rows = ((labels == c) & ~out).nonzero().flatten()
             if self.sampler == "herding":
                 assert features is not None, "herding needs the images' features"
-                rows = rows[herding(features[rows].float(), min(quota - share, len(rows)))]
+                rows = rows[herding(features[rows].float(), min(keep, len(rows)))]
             else:
-                rows = rows[torch.randperm(len(rows))[: quota - share]]
+                rows = rows[torch.randperm(len(rows))[:keep]]
             for k, row in enumerate(rows.tolist()):
                 plan.taken[free.pop(0)] = (row, k, False)
-            for k, row in enumerate(((labels == c) & out).nonzero().flatten().tolist()):
+            for k, row in enumerate([r for r in self.held_out if labels[r] == c][:share]):
                 plan.taken[free.pop(0)] = (row, k, True)
         return plan
+
+    def _herd_again(self, training: torch.Tensor, features: torch.Tensor, keep: int) -> dict[int, int]:
+        """{slot: rank} of the ``keep`` training images of each class in memory (``training``: the slots that hold one)
+        that herding on ``features`` chooses among the class's, in the order it chooses them."""
+        labels = self.labels[: self.capacity].cpu()
+        ranked: dict[int, int] = {}
+        for c in labels[training].unique().tolist():
+            slots = (training & (labels == c)).nonzero().flatten()
+            order = herding(features[slots].float(), min(keep, len(slots)))
+            ranked |= {int(slots[i]): k for k, i in enumerate(order.tolist())}
+        return ranked
 
     def _greedy(self, labels: torch.Tensor) -> Plan:
         """GDumb's class-balancing greedy sampler over the task's images in a random stream order."""
@@ -292,6 +348,10 @@ class Memory(nn.Module):
         image in the benchmark's training data (where each stored image came from)."""
         if plan.freed:
             self.labels[torch.tensor(plan.freed, device=self.labels.device)] = -1
+        if plan.ranked:
+            dev = self.rank.device
+            ranks = torch.tensor(list(plan.ranked.values()), device=dev)
+            self.rank[torch.tensor(list(plan.ranked), device=dev)] = ranks
         if plan.taken:
             at = {row: i for i, row in enumerate(plan.rows())}
             dev = self.labels.device
@@ -304,6 +364,7 @@ class Memory(nn.Module):
             self.validation[slots] = torch.tensor([v for _, _, v in plan.taken.values()], device=dev)
             self.source[slots] = torch.tensor([first + row for row, _, _ in plan.taken.values()], device=dev)
         self.held = int((self.labels[: self.capacity] >= 0).sum())
+        self.pending = []  # the task's validation images are the memory's now (those it keeps)
 
     # ----------------------------------------------------------------------------- bookkeeping
     def storage(self) -> dict[str, Any]:
@@ -324,6 +385,13 @@ class Memory(nn.Module):
             "per_class_counts": counts,
             "validation_samples": int((held & self.validation[: self.capacity]).sum()),
         }
+
+
+def _mask(slots: dict[int, int], length: int) -> torch.Tensor:
+    """A boolean mask of ``length`` that is True at ``slots``' keys."""
+    out = torch.zeros(length, dtype=torch.bool)
+    out[list(slots)] = True
+    return out
 
 
 def herding(features: torch.Tensor, k: int) -> torch.Tensor:
