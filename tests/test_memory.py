@@ -87,6 +87,7 @@ def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slo
     assert mem.storage() | {"per_class_counts": None} == {
         "sampler": "reservoir",
         "capacity": 8,
+        "view": "raw",
         "held_in": "cpu",
         "samples": 3,
         "bytes_images": 12,
@@ -98,20 +99,52 @@ def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slo
     }
 
 
-def test_the_uniform_sampler_keeps_a_uniform_subset_of_each_tasks_first_epoch() -> None:
-    """L2P's buffer (libml/continual_buffer.py): per_class x the task's classes slots of the task's own, filled from
-    its first epoch only; a later task's images go to its own slots."""
-    mem = memory(0, "uniform", per_class=2)
-    mem.start_task(TASK, torch.tensor([0, 1] * 3))
-    torch.manual_seed(0)
-    for epoch in range(3):  # only the first 6 images offered (the first epoch) can enter
-        mem.insert(images_of([epoch * 10 + i for i in range(6)]), torch.tensor([0, 1, 0, 1, 0, 1]), 0)
-    kept = mem.images[:4, 0, 0, 0].tolist()
-    assert len(set(kept)) == 4 and all(k < 6 for k in kept)
-    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), torch.tensor([2, 3, 2, 3]))
+def test_the_uniform_sampler_stores_l2ps_chosen_positions_of_each_tasks_first_epoch() -> None:
+    """L2P's buffer (libml/continual_buffer.py ``gen_batch_index`` / ``add_example``): per task, per_class x its classes
+    distinct positions drawn uniformly from the first ⌊N / B⌋ x B of its stream (the first epoch's full batches), each
+    image stored as its position comes, in stream order, a later task's into its own slots; the host counts what is
+    stored. Over seeds every such position is equally likely, the last partial batch's never."""
+    batch, n, seeds = 4, 14, 300  # 3 full batches (12 positions) and a partial one of 2
+    counts = [0] * n
+    labels = torch.tensor([0, 1] * 7)
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        config = MemoryConfig(per_class=2)
+        mem = Memory(config, "uniform", num_classes=4, image_shape=(1, 2, 2), batch_size=batch, longest_task=n)
+        mem.start_task(TASK, labels)
+        for epoch in range(2):  # the second epoch's images (100 + position) must never enter
+            for lo in range(0, n, batch):
+                items = [epoch * 100 + i for i in range(lo, min(lo + batch, n))]
+                mem.insert(images_of(items), labels[lo : lo + batch], 0)
+                mem.offer_counted(len(items))
+                assert mem.held == int((mem.labels[:4] >= 0).sum())
+        kept = mem.images[:4, 0, 0, 0].tolist()
+        assert kept == sorted(kept) and len(set(kept)) == 4 and max(kept) < 12, kept
+        for k in kept:
+            counts[k] += 1
+    p = 4 / 12
+    tolerance = 5 * (seeds * p * (1 - p)) ** 0.5
+    assert all(abs(c - seeds * p) < tolerance for c in counts[:12]), counts
+    assert counts[12:] == [0, 0]
+    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), torch.tensor([2, 3] * 4))
     mem.insert(images_of([40, 41, 42, 43]), torch.tensor([2, 3, 2, 3]), 1)
-    assert mem.images[:4, 0, 0, 0].tolist() == kept and set(mem.images[4:8, 0, 0, 0].tolist()) == {40, 41, 42, 43}
+    mem.insert(images_of([44, 45, 46, 47]), torch.tensor([2, 3, 2, 3]), 1)
+    second = mem.images[4:8, 0, 0, 0].tolist()
+    assert mem.images[:4, 0, 0, 0].tolist() == kept
+    assert second == sorted(second) and len(set(second)) == 4 and set(second) <= set(range(40, 48))
     assert mem.tasks[:8].tolist() == [0] * 4 + [1] * 4
+
+
+def test_the_uniform_sampler_draws_with_replacement_while_it_holds_less_than_a_draw() -> None:
+    """L2P's ``get_random_batch``: ``replace = cursor < global_bs``: every row with replacement (the first rows not
+    all distinct), once it holds enough none repeats."""
+    mem = memory(0, "uniform", per_class=2)
+    mem.slot_of = torch.arange(4)  # the first 4 positions of the task are its 4 slots
+    mem.insert(images_of([10, 11, 12, 13]), torch.tensor([0, 1, 0, 1]), 0)
+    torch.manual_seed(0)
+    distinct = sum(len(set(mem.draw(8)[:4].tolist())) == 4 for _ in range(400))
+    assert abs(distinct / 400 - 24 / 256) < 0.05  # 4! / 4^4 of draws with replacement start with 4 distinct slots
+    assert all(sorted(mem.draw(4).tolist()) == [0, 1, 2, 3] for _ in range(20))
 
 
 def test_the_balanced_sampler_shrinks_old_classes_to_an_equal_share() -> None:
@@ -210,6 +243,28 @@ def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
     expected = matrices(tmp_path / "whole")
     assert expected["storage"]["memory"]["samples"] > 0
     crash_and_resume(monkeypatch, overrides, tmp_path / "cut", 7)  # task 1, its second epoch (3 batches an epoch)
+    assert matrices(tmp_path / "cut") == expected
+
+
+def test_the_official_l2p_r_resumed_mid_task_ends_as_the_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2P-R as its code: the stored augmented views, the chosen first-epoch positions and the host's count of them,
+    the whole head: stopped in task 1's second epoch (4 steps an epoch), the resumed run replays what the whole one
+    did."""
+    overrides = (
+        "method=l2p",
+        "memory.per_class=4",
+        "memory.view=augmented",
+        "method.replay_scope=all",
+        "method.replay_first_task=false",
+        "data.train_crop=pad",
+        "trainer.checkpoint_every=1",
+    )
+    train(tiny_config(*overrides), tmp_path / "whole")
+    expected = matrices(tmp_path / "whole")
+    assert expected["storage"]["memory"]["samples"] == 24 and expected["storage"]["memory"]["view"] == "augmented"
+    crash_and_resume(monkeypatch, overrides, tmp_path / "cut", 14)
     assert matrices(tmp_path / "cut") == expected
 
 

@@ -188,3 +188,79 @@ def test_bic_validates_on_old_class_counts_and_herds_every_class_again_with_the_
     assert sorted(validation) == [1, 2]
     for t in (0, 1):
         assert kept[t] == expected[t], f"after task {t}: the memory's exemplars are not the official herding's"
+
+
+# ------------------------------------------------------------------------------------------------------------ L2P-R
+def test_l2p_r_replays_from_the_second_task_the_stored_views_over_every_class_training_the_whole_head(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2P Table 1's L2P-R row (its replay and memory settings from the preset) against the official code
+    (train_continual.py L696-760, libml/continual_buffer.py): no replay in the first task (the buffer only fills);
+    the buffer holds, of each task, per_class x classes of its first epoch's full-batch positions as the step saw them
+    (augmented); a step of task 1 replays stored views as they are, its loss is the code's (one head over EVERY class,
+    the batch's rows masked to the task, the replayed rows not) and every column of that head gets its gradient."""
+    from clbench.loop import step as step_module
+    from clbench.loop import train
+    from clbench.methods.l2p import L2P
+
+    keys = preset_keys(
+        "l2p_table1_l2p_r_10", "method.replay_scope", "method.replay_first_task", "memory.view", "method.head_init"
+    )
+    batch, per_class = 16, 5
+    cfg = tiny_config(
+        "method=l2p", f"memory.per_class={per_class}", *keys, "trainer.eval_random_init=false", "data.train_crop=pad"
+    )
+    draws: list[int] = []
+    first_epoch: list[torch.Tensor] = []
+    at_task_1: dict[str, object] = {}
+    real_draw, real_loss = step_module.draw_replay, L2P.training_loss
+
+    def draw_replay(method, rt, current):
+        draws.append(method.num_seen - 1)
+        return real_draw(method, rt, current)
+
+    def training_loss(self, x, y, task, replay=()):
+        if task.id == 0 and len(first_epoch) < len(self.tasks[0].classes) * 30 // batch:
+            first_epoch.append(x.detach().clone())
+        if task.id == 1 and not at_task_1 and replay:
+            at_task_1.update(method=copy.deepcopy(self), x=x.clone(), y=y.clone(), replay=replay)
+        return real_loss(self, x, y, task, replay)
+
+    monkeypatch.setattr(step_module, "draw_replay", draw_replay)
+    monkeypatch.setattr(L2P, "training_loss", training_loss)
+    train(cfg, tmp_path)
+
+    assert draws and min(draws) == 1, f"replays during tasks {sorted(set(draws))}: the code replays from task 1"
+    m = at_task_1["method"]
+    memory, task = m.memory, m.tasks[1]
+    # the first task's slots: per_class x 2 views, each exactly a row the first epoch's full batches trained on
+    views = torch.cat(first_epoch)
+    stored = memory.images[: per_class * 2]
+    assert int((memory.tasks[: per_class * 2] == 0).sum()) == per_class * 2
+    for image in stored:
+        assert any(torch.equal(image, row) for row in views), "a stored image is not a view the first epoch saw"
+    replay = at_task_1["replay"][0]
+    held = memory.images[: memory.capacity][memory.labels[: memory.capacity] >= 0]
+    for image in replay.x:  # replayed as stored, not augmented again
+        assert any(torch.equal(image, row) for row in held)
+
+    # the code's loss and gradient: one head (W, b) over the 6 classes of the benchmark
+    heads = [p for h in m.trained_heads(task) for p in h.parameters()]
+    assert len(heads) == 2 * len(m.tasks), "not every task's head is trained"
+    W = torch.cat([h.weight for h in m.whole]).detach().clone().requires_grad_(True)
+    b = torch.cat([h.bias for h in m.whole]).detach().clone().requires_grad_(True)
+    x, y = at_task_1["x"], at_task_1["y"]
+    rows, labels = torch.cat([x, replay.x]), torch.cat([y, replay.y])
+    m.train()
+    with torch.no_grad():
+        q = m.query(rows)
+        feats = m.prompted_features(rows, m.select(q, task))
+    ce = ref.l2p_code_loss(feats @ W.T + b, labels, len(y), (task.offset, task.offset + task.num_classes))
+    want = torch.autograd.grad(ce, [W, b])
+    loss, logs = real_loss(m, x, y, task, (replay,))
+    torch.testing.assert_close(loss - m.config.pull * logs["pull"], ce, rtol=1e-5, atol=1e-6)
+    got = torch.autograd.grad(loss, [h.weight for h in m.whole] + [h.bias for h in m.whole])
+    k = len(m.whole)
+    torch.testing.assert_close(torch.cat(got[:k]), want[0], rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.cat(got[k:]), want[1], rtol=1e-5, atol=1e-7)
+    assert want[0][task.offset + task.num_classes :].abs().sum() > 0  # the future classes' columns are trained

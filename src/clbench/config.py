@@ -308,9 +308,14 @@ class MemoryConfig:
     # herding: after each task, the old classes' images chosen again by herding on the current model's features (BiC's
     # code) | false: an old class keeps the first ones chosen (iCaRL's ReduceExemplarSet)
     reselect: bool = False
+    # what a step sampler stores: raw (the image as the benchmark stores it, augmented again at every draw: mammoth's)
+    # | augmented (the view the step that stored it trained on, replayed as stored: L2P's buffer; float32 at the
+    # model's input size)
+    view: str = "raw"
 
     def __post_init__(self) -> None:
         require_choice("memory.sampler", self.sampler, ("auto", *SAMPLERS))
+        require_choice("memory.view", self.view, ("raw", "augmented"))
         for key in ("per_class", "size", "batch_size"):
             value = getattr(self, key)
             require(value is None or value >= 1, f"memory.{key}", value, "null or an integer >= 1")
@@ -327,6 +332,7 @@ class MemoryConfig:
 
 
 SAMPLERS = ("reservoir", "uniform", "balanced", "herding", "greedy")
+STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a ``memory`` phase)
 HOLDING_OUT = ("herding", "balanced")  # the samplers that hold a validation share of each class out (BiC's bias stage)
 
 
@@ -512,6 +518,13 @@ def check_memory(memory: MemoryConfig, method_cls: type) -> None:
         memory.sampler,
         f"auto, {' or '.join(HOLDING_OUT)} with {name}: its bias stage trains on the validation images these samplers "
         "hold out of each class",
+    )
+    require(
+        not (memory.active and memory.view == "augmented" and memory_sampler(memory, method_cls) not in STEP_SAMPLERS),
+        "memory.view",
+        "augmented",
+        f"raw with the {memory_sampler(memory, method_cls)} sampler: it chooses after the task, from images no step "
+        f"augmented (augmented: {' or '.join(STEP_SAMPLERS)})",
     )
     require(
         not (memory.active and memory.reselect and memory_sampler(memory, method_cls) != "herding"),

@@ -46,6 +46,7 @@ task's (BiC's first stage, :meth:`Memory.held_split`).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -58,10 +59,7 @@ from clbench.config import MemoryConfig
 from clbench.data import Split, Task
 from clbench.data.stream import DiskImages
 
-STEP_SAMPLERS = ("reservoir", "uniform")  # fill during training steps; the others after a task (a ``memory`` phase)
-
-
-NO_LIMIT = 2**62  # the reservoir offers every image
+STORED_FIRST = ("uniform",)  # store before the step draws (L2P's buffer); the reservoir after the optimizer update
 
 
 @dataclass
@@ -95,23 +93,30 @@ class Memory(nn.Module):
         holdout: float = 0.0,
         device: torch.device | str = "cpu",
         host: bool = False,
+        batch_size: int = 1,
+        longest_task: int = 0,
     ) -> None:
         super().__init__()
         self.sampler, self.per_class, self.num_classes = sampler, config.per_class, num_classes
         self.capacity = config.size if config.size is not None else config.per_class * num_classes
         self.reselect = config.reselect  # herding: the old classes' images chosen again on the current features
+        # ``view=augmented``: each image as the step that stored it trained on it (float32, ``image_shape`` the
+        # model's input), replayed as stored; ``raw``: as the benchmark stores it (uint8), augmented at every draw.
+        self.augmented = config.view == "augmented"
+        self.batch_size = batch_size  # the global training batch (the uniform sampler's first epoch: ⌊N / B⌋ x B)
+        dtype = torch.float32 if self.augmented else torch.uint8
         rows = self.capacity + 1  # the last row is scratch
         device = torch.device(device)
         # ``host``: the images in pinned host memory that the CUDA device reads and writes in place; the checkpoint
         # saves and loads them through the host tensor (a copy engine is never handed the mapped address).
         self.host: torch.Tensor | None = None
         if host and device.type == "cuda":
-            self.host = torch.zeros((rows, *image_shape), dtype=torch.uint8, pin_memory=True)
+            self.host = torch.zeros((rows, *image_shape), dtype=dtype, pin_memory=True)
             self.register_buffer("images", mapped_on(self.host, device))
             self.register_state_dict_post_hook(_save_host_images)
             self.register_load_state_dict_pre_hook(_load_host_images)
         else:
-            self.register_buffer("images", torch.zeros((rows, *image_shape), dtype=torch.uint8, device=device))
+            self.register_buffer("images", torch.zeros((rows, *image_shape), dtype=dtype, device=device))
         self.register_buffer("labels", torch.full((rows,), -1, dtype=torch.long, device=device))
         self.register_buffer("tasks", torch.full((rows,), -1, dtype=torch.long, device=device))
         # Priority of a slot within its class (balanced, herding): a shrink frees a class's highest ranks first.
@@ -131,10 +136,12 @@ class Memory(nn.Module):
         if logits:  # DER++: the logits over the classes seen at insertion, padded to every class, and their width
             self.register_buffer("logits", torch.zeros((rows, num_classes), dtype=torch.float32, device=device))
             self.register_buffer("width", torch.zeros(rows, dtype=torch.long, device=device))
-        self.held = 0  # host copy: images held (task samplers) or offered (reservoir); 0 means nothing to replay
-        # Where a step's insertions go: slots lo .. lo + length - 1, for the first `limit` images offered (uniform: the
-        # task's slots and its first epoch; reservoir: every slot, every image).
-        self.region = (0, self.capacity, NO_LIMIT)
+        self.held = 0  # host copy: images held (uniform, task samplers) or offered (reservoir); 0: nothing to replay
+        # The uniform sampler: the slot each position of the current task's stream goes to (the scratch row for a
+        # position not chosen), and on the host the chosen positions and how many images the task has offered.
+        self.register_buffer("slot_of", torch.full((longest_task,), self.capacity, dtype=torch.long, device=device))
+        self.chosen: list[int] = []
+        self.task_offered = 0
 
     # ----------------------------------------------------------------------------- state
     @property
@@ -161,12 +168,18 @@ class Memory(nn.Module):
         return Split(DiskImages.cat([split.x for split in streamed_from])[source], self.labels[held])
 
     def get_extra_state(self) -> dict[str, Any]:
-        return {"held": self.held, "region": list(self.region), "held_out": self.held_out, "pending": self.pending}
+        return {
+            "held": self.held,
+            "chosen": self.chosen,
+            "task_offered": self.task_offered,
+            "held_out": self.held_out,
+            "pending": self.pending,
+        }
 
     def set_extra_state(self, state: dict[str, Any]) -> None:
         self.held = int(state["held"])
-        lo, length, limit = (int(v) for v in state["region"])
-        self.region = (lo, length, limit)
+        self.chosen = [int(p) for p in state.get("chosen", [])]
+        self.task_offered = int(state.get("task_offered", 0))
         self.held_out = [int(r) for r in state.get("held_out", [])]
         self.pending = [int(r) for r in state.get("pending", [])]
 
@@ -195,8 +208,7 @@ class Memory(nn.Module):
         """At a task's start (``labels``: its training images' labels, on the host): the validation images held out of
         its training, a random :meth:`validation_count` of each new class, counted over the old classes as BiC's code
         does for its bias stage (imagenet_main.py L439; the first task's over its own classes, what the second task's
-        bias stage takes of them); and the uniform sampler's slots for the task and its count of offered images, from
-        zero."""
+        bias stage takes of them); and the uniform sampler's choice for the task (:meth:`choose_positions`)."""
         if self.holdout:
             count = self.validation_count(task.offset or task.num_classes)
             picks = [(labels == c).nonzero().flatten() for c in range(task.offset, task.offset + task.num_classes)]
@@ -204,31 +216,46 @@ class Memory(nn.Module):
                 raise ValueError(f"a class of task {task.id} has too few images to hold {count} out for validation")
             self.held_out = [r for rows in picks for r in rows[torch.randperm(len(rows))[:count]].tolist()]
             self.pending = list(self.held_out)
-        if self.sampler != "uniform":
-            return
-        classes, images = self.num_classes, len(labels)
+        if self.sampler == "uniform":
+            self.choose_positions(task, len(labels))
+
+    def choose_positions(self, task: Task, images: int) -> None:
+        """L2P's buffer (libml/continual_buffer.py ``gen_batch_index``): the task owns per_class x its classes slots
+        (a fixed ``size``: its classes' share), filled with the images at that many distinct positions drawn uniformly
+        from the first ⌊N / B⌋ x B of its stream (its first epoch's full batches), in stream order as they come."""
         if self.per_class is not None:
             lo, length = self.per_class * task.offset, self.per_class * task.num_classes
         else:
-            lo = self.capacity * task.offset // classes
-            length = self.capacity * (task.offset + task.num_classes) // classes - lo
-        self.region = (lo, length, images)
+            lo = self.capacity * task.offset // self.num_classes
+            length = self.capacity * (task.offset + task.num_classes) // self.num_classes - lo
+        valid = min(images // self.batch_size * self.batch_size, len(self.slot_of))
+        self.chosen = sorted(torch.randperm(valid)[:length].tolist())
+        self.slot_of.fill_(self.capacity)
+        if self.chosen:
+            at = torch.tensor(self.chosen, device=self.slot_of.device)
+            self.slot_of[at] = lo + torch.arange(len(self.chosen), device=self.slot_of.device)
         self.offered.zero_()
+        self.task_offered = 0
 
     # ----------------------------------------------------------------------------- reservoir (in the step)
     def insert(
         self, images: torch.Tensor, labels: torch.Tensor, task_id: int, logits: torch.Tensor | None = None
     ) -> None:
-        """Offer a batch to the reservoir (device ops only; ``labels`` global). ``logits``: the model's outputs on
-        the batch, over the classes seen so far (DER++)."""
-        n, (lo, length, limit) = len(labels), self.region
+        """Offer a batch to the step sampler (device ops only; ``labels`` global; ``images`` raw, or with
+        ``view=augmented`` as the step trained on them). ``logits``: the model's outputs on the batch, over the classes
+        seen so far (DER++)."""
+        n = len(labels)
         position = self.offered + torch.arange(n, device=labels.device)  # images offered before each one
-        draw = (torch.rand(n, device=labels.device, dtype=torch.float64) * (position + 1)).long()  # U{0..position}
-        slot = torch.where(position < length, position, draw)
-        slot = torch.where((slot < length) & (position < limit), lo + slot, self.capacity)  # dropped: the scratch row
+        if self.sampler == "uniform":  # the task's chosen positions of its first epoch
+            inside = position < len(self.slot_of)
+            slot = torch.where(inside, self.slot_of[position.clamp(max=max(len(self.slot_of) - 1, 0))], self.capacity)
+        else:  # the reservoir: slot n while there is room, else j ~ U{0..n} if j < capacity
+            draw = (torch.rand(n, device=labels.device, dtype=torch.float64) * (position + 1)).long()
+            slot = torch.where(position < self.capacity, position, draw)
+            slot = torch.where(slot < self.capacity, slot, self.capacity)  # dropped: the scratch row
         later = (slot[:, None] == slot[None, :]).triu(1).any(1)  # a later image of the batch takes the same slot
         slot = torch.where(later, self.capacity, slot)
-        self.images.index_copy_(0, slot, images)
+        self.images.index_copy_(0, slot, images.to(self.images.dtype))
         self.labels.index_copy_(0, slot, labels)
         self.tasks.index_fill_(0, slot, task_id)
         if logits is not None:
@@ -239,20 +266,29 @@ class Memory(nn.Module):
         self.offered += n
 
     def offer_counted(self, n: int) -> None:
-        """The host's count of a step's insertion (called outside the step, which a CUDA graph may replay)."""
-        self.held += n
+        """The host's count of a step's insertion (called outside the step, which a CUDA graph may replay): the
+        images stored (uniform: the chosen positions among the ``n`` offered) or offered (reservoir)."""
+        if self.sampler == "uniform":
+            start, self.task_offered = self.task_offered, self.task_offered + n
+            self.held += bisect.bisect_left(self.chosen, self.task_offered) - bisect.bisect_left(self.chosen, start)
+        else:
+            self.held += n
 
     # ----------------------------------------------------------------------------- drawing (in the step)
     def draw(self, n: int) -> torch.Tensor:
-        """``n`` slot indices, uniform without replacement among the held images (with replacement for the rows
-        beyond what is held); device ops only. Only called once something is held."""
+        """``n`` slot indices, uniform without replacement among the held images, with replacement for the rows
+        beyond what is held (the uniform sampler: for every row while fewer than ``n`` are held, as L2P's
+        ``get_random_batch``); device ops only. Only called once something is held."""
         held = self.labels[: self.capacity] >= 0
         keys = torch.rand(self.capacity, device=held.device).masked_fill(~held, 2.0)
         order = keys.argsort()  # held slots first, in random order
         count = held.sum()
         take = torch.arange(n, device=held.device)
         spare = (torch.rand(n, device=held.device) * count).long()
-        return order[torch.where(take < count, take, spare)]
+        distinct = take < count
+        if self.sampler == "uniform":
+            distinct = distinct & (count >= n)
+        return order[torch.where(distinct, take, spare)]
 
     # ----------------------------------------------------------------------------- task samplers (after a task)
     def plan(
@@ -371,11 +407,12 @@ class Memory(nn.Module):
         """What the memory holds: samples, the bytes of each part as held, and the images of each class."""
         held = self.labels[: self.capacity] >= 0
         samples = int(held.sum())
-        image_bytes = math.prod(self.images.shape[1:])
+        image_bytes = math.prod(self.images.shape[1:]) * self.images.element_size()
         counts = torch.bincount(self.labels[: self.capacity][held], minlength=self.num_classes).tolist()
         return {
             "sampler": self.sampler,
             "capacity": self.capacity,
+            "view": "augmented" if self.augmented else "raw",
             "held_in": self.location,
             "samples": samples,
             "bytes_images": samples * image_bytes,
@@ -411,6 +448,9 @@ def herding(features: torch.Tensor, k: int) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.long)
 
 
+TYPESTR = {torch.uint8: "|u1", torch.float32: "<f4"}  # the CUDA array interface's names of the memory's dtypes
+
+
 class _MappedHost:
     """A pinned host tensor described by the CUDA array interface (its address is valid on the device: unified
     virtual addressing), for :func:`torch.as_tensor` to wrap as a CUDA tensor without a copy; the wrapper keeps this
@@ -420,15 +460,16 @@ class _MappedHost:
         self.host = host
         self.__cuda_array_interface__ = {
             "shape": tuple(host.shape),
-            "typestr": "|u1",
+            "typestr": TYPESTR[host.dtype],
             "data": (host.data_ptr(), False),
             "version": 2,
         }
 
 
 def mapped_on(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``host`` (uint8, pinned) as a tensor on CUDA ``device`` that aliases it: kernels read and write host memory."""
-    assert host.is_pinned() and host.dtype == torch.uint8 and host.is_contiguous()
+    """``host`` (uint8 or float32, pinned) as a tensor on CUDA ``device`` that aliases it: kernels read and write host
+    memory."""
+    assert host.is_pinned() and host.dtype in TYPESTR and host.is_contiguous()
     mapped = torch.as_tensor(_MappedHost(host), device=device)
     if mapped.data_ptr() != host.data_ptr():  # as_tensor copied: the host memory was pinned for another device
         raise RuntimeError(f"pinned host memory could not be mapped on {device}: it was pinned for another device")

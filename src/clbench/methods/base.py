@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from clbench.config import STEP_SAMPLERS
 from clbench.data import Benchmark, Task
-from clbench.memory import STEP_SAMPLERS, Memory
+from clbench.memory import Memory
 
 Logs = dict[str, torch.Tensor]
 
@@ -134,6 +135,10 @@ class Method(nn.Module):
     def phases(self, task: Task, epochs: int) -> list[Phase]:
         """Train; then, with a memory whose sampler works after a task, update the memory."""
         return [Phase("train", epochs), *self.memory_phase()]
+
+    def draws_replay(self, task: Task) -> bool:
+        """Whether the training steps of ``task`` draw from the memory (once it holds something)."""
+        return bool(self.replay_draws)
 
     def memory_phase(self) -> list[Phase]:
         """The ``memory`` phase of a memory filled after each task (none for the reservoir or without a memory)."""

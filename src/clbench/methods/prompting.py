@@ -211,13 +211,13 @@ class PromptMethod(Method):
         self, x: torch.Tensor, y: torch.Tensor, task: Task, replay: tuple[Replay, ...] = ()
     ) -> tuple[torch.Tensor, Logs]:
         """Cross-entropy over the current task's classes + ``pull`` x the key-pull term of the chosen prompts. With a
-        memory (L2P-R), the replayed rows join the batch, their cross-entropy over every seen class (the official
-        code's ``replay_no_mask``): the mean over all rows."""
+        memory (L2P-R), the replayed rows join the batch, their cross-entropy over every class of
+        :meth:`training_logits` (the official code's ``replay_no_mask``): the mean over all rows."""
         rows = torch.cat([x, *(r.x for r in replay)]) if replay else x
         q = self.query(rows)
         chosen = self.select(q, task)
         self.record(chosen[: len(y)], task.id)
-        logits = self.seen_logits(self.prompted_features(rows, chosen))
+        logits = self.training_logits(self.prompted_features(rows, chosen))
         ce = self.current_task_ce(logits[: len(y)], y, task)
         if replay:
             memory_y = torch.cat([r.y for r in replay])
@@ -226,11 +226,20 @@ class PromptMethod(Method):
         pull = pull_loss(q, self.keys, chosen)
         return ce + self.config.pull * pull, {"pull": pull.detach()}
 
+    def training_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """The logits the training loss reads: every seen class's."""
+        return self.seen_logits(feats)
+
+    def trained_heads(self, task: Task) -> list[nn.Linear]:
+        """The heads a task trains: its own (the other classes' logits are masked: their rows get no gradient)."""
+        return [self.heads[task.id]]
+
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        for t, head in enumerate(self.heads):
-            head.requires_grad_(t == task.id)  # other classes' logits are masked: their rows get no gradient
-        params = [*self.prompt_parameters().values(), *self.heads[task.id].parameters()]
-        return [{"params": params, "weight_decay": 0.0}]
+        trained = {id(head) for head in self.trained_heads(task)}
+        for head in self.heads:
+            head.requires_grad_(id(head) in trained)
+        heads = [p for head in self.trained_heads(task) for p in head.parameters()]
+        return [{"params": [*self.prompt_parameters().values(), *heads], "weight_decay": 0.0}]
 
     @staticmethod
     def current_task_ce(logits: torch.Tensor, y: torch.Tensor, task: Task) -> torch.Tensor:
