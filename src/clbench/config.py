@@ -206,7 +206,7 @@ class TrainerConfig:
     eval_batch_size: int = 256  # evaluation batch
     lr: float = 1e-3  # peak learning rate (a method's optimizer groups may carry their own)
     lr_scale_batch: int | None = None  # linear scaling rule: lr * batch_size / lr_scale_batch (null: off)
-    optimizer: str = "adamw"  # adamw | adam | sgd
+    optimizer: str = "adamw"  # adamw | adam | sgd | adamw_bert (BERT's: no bias correction, eps 1e-6)
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0  # not on biases, norms and position/class tokens (unless a method's group sets its own)
     schedule: str = "cosine"  # cosine | constant | exponential, per phase | plateau (HAT's, on validation)
@@ -246,7 +246,7 @@ class TrainerConfig:
             self.lr_scale_batch,
             "null or an integer > 0",
         )
-        require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd"))
+        require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd", "adamw_bert"))
         require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
         require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "exponential", "plateau"))

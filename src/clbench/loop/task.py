@@ -168,6 +168,7 @@ class PhaseRun:
         self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
         self.per_epoch = split.num_batches(cfg.batch_size)
         self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
+        method.check_steps(task, phase, self.optimizer)
         if hooks.trains is not None:
             hooks.trains(task, phase, trained_counts(self.optimizer, parameter_parts(method, rt.backbone_parts)))
         total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)

@@ -46,7 +46,8 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.prompting import HEAD_INITS, PromptMethod, cosine, prompt_init, top_k_by_key
+from clbench.methods.base import HEAD_INITS
+from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key
 
 
 @dataclass

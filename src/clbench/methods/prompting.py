@@ -9,7 +9,8 @@
   their projection, as DualPrompt's and CODA-Prompt's official codes attach them.
 - Training: cross-entropy over the current task's classes (the other seen classes' logits at -inf); the backbone never
   changes; the prompt parameters and the current head train with a fresh optimizer each task.
-- Heads start as ``method.head_init`` says (:func:`init_head`): nn.Linear's default, or one official code's.
+- Heads start as ``method.head_init`` says (:func:`clbench.methods.base.init_head`): nn.Linear's default, or one
+  official code's.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from clbench.comparable import method_name
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.attention import head_merge, head_split, split_heads
-from clbench.methods.base import Logs, Method, Phase, Replay
+from clbench.methods.base import Logs, Method, Phase, Replay, init_head
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +40,6 @@ def prompt_init(kind: str, *shape: int, device: torch.device) -> torch.Tensor:
     default uniform init in the official JAX code)."""
     low, high = (-1.0, 1.0) if kind == "uniform" else (0.0, 0.01)
     return torch.empty(*shape, device=device).uniform_(low, high)
-
-
-HEAD_INITS = ("default", "trunc_normal", "zeros")
-
-
-def init_head(head: nn.Linear, kind: str) -> None:
-    """A head's first weights: ``default`` keeps nn.Linear's (U(+-1/sqrt(D)) weight and bias: CODA-Prompt's code),
-    ``trunc_normal`` N(0, 0.02) truncated at +-2 and a zero bias (timm's ViT init in the PyTorch ports of L2P and
-    DualPrompt), ``zeros`` weight and bias (the JAX code's ``kernel_init=zeros``)."""
-    if kind == "default":
-        return
-    with torch.no_grad():
-        if kind == "trunc_normal":
-            nn.init.trunc_normal_(head.weight, std=0.02)
-        else:
-            head.weight.zero_()
-        head.bias.zero_()
 
 
 def count_selections(chosen: torch.Tensor, pool_size: int) -> torch.Tensor:
