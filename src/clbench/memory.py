@@ -1,6 +1,7 @@
-"""The rehearsal memory: a fixed budget of training images, kept as the benchmark stores them (uint8), with their
-labels, task ids and what a method keeps per sample (DER++'s logits), filled by the sampler of the method's paper and
-drawn from on the training device.
+"""The rehearsal memory: a fixed budget of training images, kept as the benchmark stores them (uint8; or, with
+``memory.view=augmented``, as the step that stored them trained on them, float32), with their labels, task ids and
+what a method keeps per sample (DER++'s logits), filled by the sampler of the method's paper and drawn from on the
+training device.
 
 Samplers:
 
@@ -10,8 +11,10 @@ Samplers:
   probability min(1, capacity / N). Vectorised over the batch on the device (no host sync; a CUDA graph replays it):
   two images of one batch that draw the same slot resolve to the later one, as the sequential rule does.
 - ``uniform`` (L2P-R; google-research/l2p ``libml/continual_buffer.py``): each task owns per_class x its classes
-  slots and keeps a uniform random subset of the images of its first epoch, drawn as a reservoir over that epoch;
-  replays include the current task's images as soon as they are stored (the code's ``include_new_task``).
+  slots, filled with the images at that many positions drawn uniformly from the first ⌊N / B⌋ x B of its stream (its
+  first epoch's full batches), as the steps meet them and before they draw (``gen_batch_index``, ``add_example``);
+  replays include the current task's images as soon as they are stored (the code's ``include_new_task``), and draw
+  with replacement while fewer than a draw are held (``get_random_batch``).
 - ``balanced`` (class-balanced random, iCaRL's shrink): after each task, every class of the task keeps a
   random subset of its images; with a fixed ``size``, older classes give up their last-chosen slots so that every
   seen class holds ``size // seen classes``.
@@ -20,21 +23,23 @@ Samplers:
   with ``memory.reselect`` the old classes' images are chosen again by herding on the current model's features among
   their own (BiC's code).
 
+- ``greedy`` (GDumb): the task's images as a stream in a random order; an image of a class not in memory, or of a
+  class holding fewer than ``capacity // classes in memory``, is stored, evicting (when full) a random image of the
+  class holding most (ties broken at random); otherwise it is dropped. No task boundary is needed.
+
 A method that holds a validation share out (BiC, ``holdout`` 0.1) keeps BiC's counts: with K images and n classes,
 ⌈K / n⌉ − ⌈0.1 · K / n⌉ training and ⌊0.1 · K / n⌋ validation images a class (:meth:`Memory.exemplar_count`,
 :meth:`Memory.validation_count`); a new class's validation images are drawn at its task's start, counted over the old
 classes (what that task's bias stage takes of every class), and left out of its training.
-- ``greedy`` (GDumb): the task's images as a stream in a random order; an image of a class not in memory, or of a
-  class holding fewer than ``capacity // classes in memory``, is stored, evicting (when full) a random image of the
-  class holding most (ties broken at random); otherwise it is dropped. No task boundary is needed.
 
 Budget (``memory.per_class`` or ``memory.size``): ``per_class`` keeps exactly that many images of each seen class (the
 memory grows to per_class x the benchmark's classes, L2P Table 1's buffers); ``size`` is a fixed total from the first
 task on. The reservoir, which knows no classes, holds per_class x classes from the start.
 
-Draws are made on the device with the default generator (whose state every checkpoint saves): a resumed run draws
-what an uninterrupted one does. Every rank of a multi-process run inserts the whole global batch and draws the same
-slots, so the ranks' memories stay identical.
+Draws are made on the device with the default generator, the uniform sampler's positions and the task samplers'
+choices on the host with the CPU one (every checkpoint saves both states): a resumed run draws what an uninterrupted
+one does. Every rank of a multi-process run inserts the whole global batch and draws the same slots, so the ranks'
+memories stay identical.
 
 Where the training images are streamed from the on-disk cache (``data.store=stream``) on CUDA, the memory's images are
 held in pinned host memory that the GPU's kernels address in place (zero-copy, through unified virtual addressing):

@@ -8,7 +8,8 @@
 - Prefix tuning (:class:`PrefixAttention`): prompts prepended to the keys and values of a block's attention, after
   their projection, as DualPrompt's and CODA-Prompt's official codes attach them.
 - Training: cross-entropy over the current task's classes (the other seen classes' logits at -inf); the backbone never
-  changes; the prompt parameters and the current head train with a fresh optimizer each task.
+  changes; the prompt parameters and the current head (L2P-R: every head its replayed rows reach) train with a fresh
+  optimizer each task.
 - Heads start as ``method.head_init`` says (:func:`clbench.methods.base.init_head`): nn.Linear's default, or one
   official code's.
 """
