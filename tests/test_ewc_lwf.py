@@ -189,7 +189,7 @@ def test_heavy_ball_sgd_on_a_quadratic_is_stable_exactly_below_two_times_one_plu
             opt.zero_grad()
             (0.5 * theta.square()).sum().backward()
             opt.step()
-        return abs(float(theta))
+        return abs(float(theta.detach()))
 
     bound = sgd_bound(momentum)
     assert bound == 2 * (1 + momentum)

@@ -230,7 +230,8 @@ def test_l2p_r_replays_from_the_second_task_the_stored_views_over_every_class_tr
     monkeypatch.setattr(L2P, "training_loss", training_loss)
     train(cfg, tmp_path)
 
-    assert draws and min(draws) == 1, f"replays during tasks {sorted(set(draws))}: the code replays from task 1"
+    replaying = [t for t in range(3) if ref.l2p_replays(t)]
+    assert sorted(set(draws)) == replaying, f"replays during tasks {sorted(set(draws))}, the code's {replaying}"
     m = at_task_1["method"]
     memory, task = m.memory, m.tasks[1]
     # the first task's slots: per_class x 2 views, each exactly a row the first epoch's full batches trained on

@@ -5,16 +5,12 @@ presets name them, written from the codes (not from clbench's implementation), o
   L271-288): the current rows' logits outside the current task at -inf; with replay (``replay_no_mask``) the replayed
   rows keep every class; one mean cross-entropy over all rows; every column of the head trains. ER and DER++ under the
   L2P Table 1 presets follow it over the seen classes; L2P-R over every class of the benchmark.
-- L2P's replay buffer (libml/continual_buffer.py): per task, num_samples_per_class x its classes distinct positions
-  drawn uniformly from the first floor(N / B) x B positions of its first epoch, the (augmented) batch image copied in
-  as its position comes, before the step draws; replay only from the second task (train_continual.py L747-760);
-  ``get_random_batch``: a batch's worth, without replacement once the buffer holds a batch, else with replacement.
+- L2P's replay (train_continual.py L747-760, libml/continual_buffer.py): replay only from the second task; the buffer
+  holds the (augmented) batch image as the step saw it.
 - BiC's exemplar management (wuyuebupt/LargeScaleIncrementalLearning@7f687a3 imagenet_main.py L439-535): with K
   images in all and n_old old classes, the bias stage's validation takes floor(0.1 K / n_old) images of every class
   (old and new); after the step every seen class keeps ceil(K / n) - ceil(0.1 K / n) exemplars, chosen by herding on
   the new model's features among the class's images of the step's training set (the old classes' current exemplars).
-- LwF's teacher (the model at the task's start) evaluated on the student's own input (PackNet, HAT, FACIL): before
-  the first update of a task's training phase the distillation's gradient is exactly zero, whatever the input.
 """
 
 from __future__ import annotations
@@ -55,26 +51,9 @@ def sgd_step(params: list[torch.Tensor], loss: torch.Tensor, lr: float) -> list[
 
 
 # ---------------------------------------------------------------------------------------------- L2P's replay buffer
-def l2p_buffer_positions(num_images: int, batch: int, per_task: int, generator: torch.Generator) -> list[int]:
-    """gen_batch_index: ``per_task`` distinct positions drawn uniformly from the first floor(N / B) x B positions of
-    the task's stream (every position when there are fewer)."""
-    valid = (num_images // batch) * batch
-    return sorted(torch.randperm(valid, generator=generator)[: min(per_task, valid)].tolist())
-
-
-def l2p_buffer_fill(positions: list[int], first_epoch_views: list[torch.Tensor]) -> list[torch.Tensor]:
-    """add_example over the first epoch: the view at each chosen position, in stream order."""
-    return [first_epoch_views[p] for p in positions]
-
-
 def l2p_replays(task_id: int) -> bool:
     """train_continual.py L752: ``if replay_buffer and (task_id > 0)``: replay from the second task on."""
     return task_id > 0
-
-
-def l2p_draw_with_replacement(held: int, batch: int) -> bool:
-    """get_random_batch: with replacement while the buffer holds fewer than a batch."""
-    return held < batch
 
 
 # ------------------------------------------------------------------------------------------------------------ BiC
@@ -105,9 +84,3 @@ def herding_order(features: torch.Tensor, k: int) -> list[int]:
                 best, best_dist = r, dist
         chosen.append(best)
     return chosen
-
-
-# ------------------------------------------------------------------------------------------------------------ LwF
-def kd(student: torch.Tensor, teacher: torch.Tensor, T: float) -> torch.Tensor:
-    """-sum softmax(teacher / T) log softmax(student / T), the batch mean (no T^2)."""
-    return -(F.softmax(teacher / T, dim=1) * F.log_softmax(student / T, dim=1)).sum(1).mean()
