@@ -21,6 +21,7 @@ from clbench.methods.lwf import LwF, distillation
 from conftest import crash_and_resume, tiny_config
 from oracles import ewc_reference as ewc_ref
 from oracles import lwf_reference as lwf_ref
+from oracles import rehearsal_reference as rehearsal_ref
 
 FISHER = Phase("fisher", 1, observe=True)
 
@@ -175,8 +176,98 @@ def test_penalty_and_its_gradient_vanish_at_the_anchor_and_skip_the_current_head
         assert method.penalty(t1.id).item() > 0.0
 
 
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_heavy_ball_sgd_on_a_quadratic_is_stable_exactly_below_two_times_one_plus_momentum(momentum: float) -> None:
+    """The bound the EWC check uses, from first principles: torch's SGD with momentum μ on ½ h θ² converges for
+    η h just below 2 (1 + μ) and grows without bound just above (the recursion's roots cross the unit circle)."""
+    from clbench.methods.ewc import sgd_bound
+
+    def after(steps: int, eta_h: float) -> float:
+        theta = torch.ones(1, dtype=torch.float64, requires_grad=True)
+        opt = torch.optim.SGD([theta], lr=eta_h, momentum=momentum)  # h = 1: η h = lr
+        for _ in range(steps):
+            opt.zero_grad()
+            (0.5 * theta.square()).sum().backward()
+            opt.step()
+        return abs(float(theta.detach()))
+
+    bound = sgd_bound(momentum)
+    assert bound == 2 * (1 + momentum)
+    assert after(3000, 0.98 * bound) < 1e-3 and after(3000, 1.02 * bound) > 1e3
+
+
+def ewc_after_one_task(lam: float, fisher: float, *overrides: str) -> tuple[EWC, object]:
+    """An EWC run at task 1 whose task 0 left the Fisher ``fisher`` on every anchored parameter."""
+    method, rt = build_runtime(tiny_config("method=ewc", f"method.lam={lam}", *overrides))
+    t0, t1 = rt.benchmark.tasks[:2]
+    method.before_task(t0)
+    method.before_phase(t0, FISHER)
+    consolidate(method, t0, {n: torch.full_like(s, fisher) for n, s in method.sums.items()})
+    method.before_task(t1)
+    return method, rt
+
+
+@pytest.mark.parametrize(("half", "momentum"), [(True, 0.9), (False, 0.0)])
+def test_a_task_whose_penalty_breaks_sgds_stability_bound_is_refused_before_it_trains(
+    half: bool, momentum: float
+) -> None:
+    """The penalty's curvature 2·s·λ·F (s = ½ with half) times the learning rate against 2 (1 + μ): refused at the
+    bound (naming method.lam, trainer.lr and the bound), trained just below it; AdamW is not bound."""
+    from clbench.loop.optim import build_optimizer
+
+    lr, fisher = 0.01, 0.5
+    sgd = ("trainer.optimizer=sgd", f"trainer.momentum={momentum}", f"trainer.lr={lr}", "trainer.weight_decay=0")
+    curvature_per_lam = 2 * (0.5 if half else 1.0) * fisher
+    limit = 2 * (1 + momentum) / (lr * curvature_per_lam)  # the largest λ SGD takes
+    train_phase = Phase("train", 1)
+    for lam, refused in ((1.001 * limit, True), (0.999 * limit, False)):
+        method, rt = ewc_after_one_task(lam, fisher, f"method.half={half}", *sgd)
+        task = rt.benchmark.tasks[1]
+        optimizer = build_optimizer(method, task, train_phase, rt.cfg.trainer)
+        if refused:
+            with pytest.raises(ConfigError, match=r"method\.lam=.*trainer\.lr.*stability bound 2 \(1 \+ trainer"):
+                method.check_steps(task, train_phase, optimizer)
+        else:
+            method.check_steps(task, train_phase, optimizer)
+    method, rt = ewc_after_one_task(100 * limit, fisher, f"method.half={half}", "trainer.optimizer=adamw")
+    task = rt.benchmark.tasks[1]
+    method.check_steps(task, train_phase, build_optimizer(method, task, train_phase, rt.cfg.trainer))
+
+
+def test_a_lambda_no_fp32_run_can_hold_is_refused_before_any_work() -> None:
+    """λ = 1e300: its penalty weight is infinite in fp32 (any optimizer); under SGD a λ·lr so large that the bound
+    would need every Fisher value below fp32's smallest normal number."""
+    with pytest.raises(ConfigError, match=r"method\.lam.*fp32"):
+        tiny_config("method=ewc", "method.lam=1e300")
+    with pytest.raises(ConfigError, match=r"method\.lam.*trainer\.lr.*fp32"):
+        tiny_config("method=ewc", "method.lam=1e38", "trainer.optimizer=sgd", "trainer.lr=10")
+    tiny_config("method=ewc", "method.lam=1e37")  # AdamW: a large but representable weight trains
+
+
+def test_mammoths_fisher_divisor_is_the_batches_times_the_batch_size() -> None:
+    """ewc_on.py L60: fish /= len(train_loader) x batch_size = ⌈N/B⌉·B (N = 60 images, B = 16: 64), not N."""
+    from clbench.loop.task import observe_pass
+
+    fishers = {}
+    for divisor in ("examples", "mammoth"):
+        method, rt = build_runtime(
+            tiny_config("method=ewc", "method.fisher=true_label", f"method.fisher_divisor={divisor}")
+        )
+        t0 = rt.benchmark.tasks[0]
+        method.before_task(t0)
+        method.before_phase(t0, FISHER)
+        observe_pass(method, t0, rt.benchmark.train[0], rt)
+        method.after_task(t0)
+        fishers[divisor] = torch.cat([b.flatten() for b in method.importance.buffers()])
+    n, batch = len(rt.benchmark.train[0]), rt.cfg.trainer.batch_size
+    padded = -(-n // batch) * batch
+    assert (n, padded) == (60, 64)
+    torch.testing.assert_close(fishers["mammoth"], fishers["examples"] * n / padded, rtol=1e-6, atol=0)
+
+
 def test_ewc_config_is_validated() -> None:
-    for bad in ("method.lam=-1", "method.lam=nan", "method.gamma=0", "method.gamma=1.5", "method.fisher=batched"):
+    for bad in ("method.lam=-1", "method.lam=nan", "method.gamma=0", "method.gamma=1.5", "method.fisher=batched",
+                "method.fisher_divisor=batches"):  # fmt: skip
         with pytest.raises(ConfigError, match=r"method\."):
             tiny_config("method=ewc", bad)
 
@@ -276,8 +367,49 @@ def test_a_recorded_teacher_reads_back_the_teachers_logits_by_position() -> None
     torch.testing.assert_close(method.teacher_targets(x, t1, ids), torch.cat(frozen.logits(x), 1), rtol=1e-5, atol=1e-6)
 
 
+def test_mammoths_lwf_setting_warms_up_on_the_new_block_and_adds_wd_reg() -> None:
+    """mammoth@cb9a36d models/lwf.py: the warm-up's CE over the new classes' logits only
+    (``classifier(feats)[:, mask]``, labels shifted), whatever the later CE; the training loss CE over the seen
+    classes + alpha * KD over the old classes (one softmax, T = 2) + wd_reg * the sum of every squared parameter."""
+    alpha, wd_reg = 3.0, 5e-4
+    overrides = ("method.loss_scope=seen", "method.scope=cil", f"method.lam={alpha}", f"method.wd_reg={wd_reg}")
+    method, rt = trained_first_task(*overrides, "data.num_tasks=3", "method.teacher=online")
+    t1 = rt.benchmark.tasks[1]
+    method.before_task(t1)
+    torch.manual_seed(2)
+    x, y = torch.randn(6, 3, 16, 16), torch.randint(t1.offset, t1.offset + t1.num_classes, (6,))
+    method.before_phase(t1, Phase("warmup", 1))
+    with torch.no_grad():
+        warm, _ = method.training_loss(x, y, t1)
+        new_block = method.seen_logits(method.features(x, 1))[:, t1.offset :]
+    assert warm.item() == pytest.approx(
+        rehearsal_ref.mean(rehearsal_ref.cross_entropy_rows(new_block.tolist(), (y - t1.offset).tolist())), rel=1e-5
+    )
+    method.before_phase(t1, Phase("train", 1))
+    with torch.no_grad():  # the student moves away from its teacher: the distillation is not trivial
+        for p in method.backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        loss, _ = method.training_loss(x, y, t1)
+        seen_logits = method.seen_logits(method.features(x, 1))
+        old = torch.cat(method.teacher.logits(x), 1)
+    ce = rehearsal_ref.mean(rehearsal_ref.cross_entropy_rows(seen_logits.tolist(), y.tolist()))
+    kd = lwf_ref.lwf_kd([seen_logits[:, : t1.offset].tolist()], [old.tolist()], 2.0, "cil")
+    squares = sum(
+        float(p.detach().double().square().sum()) for p in (*method.backbone.parameters(), *method.heads.parameters())
+    )
+    assert loss.item() == pytest.approx(ce + alpha * kd + wd_reg * squares, rel=1e-5)
+
+
+def test_a_recorded_teacher_under_mixing_is_refused() -> None:
+    """The student would see a mix of two images while its targets are the clean image's: online only."""
+    with pytest.raises(ConfigError, match=r"method\.teacher.*online with trainer\.mixup"):
+        tiny_config("method=lwf", "method.teacher=recorded", "trainer.mixup=0.8")
+    tiny_config("method=lwf", "method.teacher=online", "trainer.cutmix=1.0")
+
+
 def test_lwf_config_is_validated() -> None:
-    for bad in ("method.lam=-1", "method.T=0", "method.T=inf", "method.scope=both", "method.warmup_epochs=-1"):
+    for bad in ("method.lam=-1", "method.T=0", "method.T=inf", "method.scope=both", "method.warmup_epochs=-1",
+                "method.wd_reg=-1"):  # fmt: skip
         with pytest.raises(ConfigError, match=r"method\."):
             tiny_config("method=lwf", bad)
 

@@ -90,7 +90,10 @@ def test_a_refused_run_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
     ("overrides", "why"),
     [
         ((), "holds a finished run already"),  # a valid run: never written over a finished one
-        (("method=bic", "memory.per_class=1"), "holds a finished run already"),  # crashed after task 0, before
+        (
+            ("method=bic", "memory.size=null", "memory.per_class=1"),
+            "holds a finished run already",
+        ),  # crashed after task 0, before
         (("method=gdumb", "memory.sampler=reservoir"), "`memory.sampler`: 'reservoir'"),  # crashed at task 0's fit
         (("method=ksm", "method.group=3"), "holds a finished run already"),  # a value only the built model refuses
     ],

@@ -25,7 +25,7 @@ from conftest import TINY, compose_config, crash_and_resume, tiny_config
 from oracles import gdumb_bic_reference as ref
 
 GDUMB = ("method=gdumb", "memory.per_class=4", "method.fit_epochs=2", "trainer.epochs=2")
-BIC = ("method=bic", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2")
+BIC = ("method=bic", "memory.size=null", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2")
 
 
 # ----------------------------------------------------------------------------- the memory's samplers

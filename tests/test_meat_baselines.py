@@ -270,12 +270,14 @@ def test_a_tiny_classifier_run_ends_with_exactly_zero_til_forgetting(tmp_path: P
 
 
 @pytest.mark.slow  # 15 s; the every-method crash test covers them too in test-all
-@pytest.mark.parametrize("row", ["adapter", "individual"])
+@pytest.mark.parametrize("row", ["adapter", "individual", "adapter_bert"])
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, row: str
 ) -> None:
+    """adapter_bert: adapter-bert's optimizer (its moments in the checkpoint) and head."""
+    bert = (*ADAPTER, "trainer.optimizer=adamw_bert", "method.head_init=bert")
     overrides = (
-        *ROWS[row],
+        *(bert if row == "adapter_bert" else ROWS[row]),
         "data.num_tasks=2",
         "trainer.checkpoint_every=1",
         "trainer.epochs=2",
@@ -295,3 +297,37 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
 def test_bad_adapter_settings_are_rejected(override: str) -> None:
     with pytest.raises(ConfigError, match=override.partition("=")[0]):
         tiny_config("method=adapter", override)
+
+
+def test_adapter_berts_optimizer_is_adam_without_bias_correction() -> None:
+    """trainer.optimizer=adamw_bert against the transcription of AdamWeightDecayOptimizer: three steps on fixed
+    gradients with weight decay; its first step is lr x g / (|g| + 1e-6) x 0.1 / sqrt(0.001), 3.16x torch AdamW's."""
+    from clbench.loop.optim import AdamWBert
+
+    theta = [0.5, -1.0, 2.0]
+    grads = [[0.1, -0.2, 0.3], [0.05, 0.4, -0.1], [-0.3, 0.0, 0.2]]
+    p = torch.tensor(theta, dtype=torch.float64, requires_grad=True)
+    opt = AdamWBert([{"params": [p], "weight_decay": 0.01}], lr=0.1)
+    for g in grads:
+        p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    expected = ref.bert_adam_steps(theta, grads, lr=0.1, weight_decay=0.01)
+    assert p.detach().tolist() == pytest.approx(expected, rel=1e-12)
+    q = torch.tensor([0.0], requires_grad=True)
+    bert, torch_adamw = AdamWBert([{"params": [q]}], lr=1.0), torch.optim.AdamW([q.detach().clone().requires_grad_()])
+    q.grad = torch.tensor([1.0])
+    bert.step()
+    assert -q.item() == pytest.approx(0.1 / (0.001**0.5 + 1e-6), rel=1e-5)  # 3.16 where torch's AdamW steps 1.0
+    assert torch_adamw.defaults["eps"] == 1e-8
+
+
+def test_adapter_berts_head_is_a_truncated_normal_at_two_standard_deviations() -> None:
+    """method.head_init=bert: TensorFlow's truncated_normal_initializer(stddev=0.02) (re-drawn beyond 2 std) and a
+    zero bias, run_classifier.py L546-552."""
+    method, rt = build_runtime(tiny_config("method=adapter", "method.head_init=bert", "backbone.kwargs.embed_dim=256"))
+    method.before_task(rt.benchmark.tasks[0])
+    head = method.heads[0]
+    w = head.weight.detach().flatten()
+    assert w.abs().max() <= 0.04 and torch.count_nonzero(head.bias) == 0
+    truncated_std = 0.02 * 0.8796  # std of a standard normal cut at +-2
+    assert abs(float(w.std()) - truncated_std) < 0.1 * truncated_std

@@ -87,6 +87,7 @@ def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slo
     assert mem.storage() | {"per_class_counts": None} == {
         "sampler": "reservoir",
         "capacity": 8,
+        "view": "raw",
         "held_in": "cpu",
         "samples": 3,
         "bytes_images": 12,
@@ -98,20 +99,52 @@ def test_the_first_items_fill_the_slots_in_order_and_draws_are_distinct_held_slo
     }
 
 
-def test_the_uniform_sampler_keeps_a_uniform_subset_of_each_tasks_first_epoch() -> None:
-    """L2P's buffer (libml/continual_buffer.py): per_class x the task's classes slots of the task's own, filled from
-    its first epoch only; a later task's images go to its own slots."""
-    mem = memory(0, "uniform", per_class=2)
-    mem.start_task(TASK, torch.tensor([0, 1] * 3))
-    torch.manual_seed(0)
-    for epoch in range(3):  # only the first 6 images offered (the first epoch) can enter
-        mem.insert(images_of([epoch * 10 + i for i in range(6)]), torch.tensor([0, 1, 0, 1, 0, 1]), 0)
-    kept = mem.images[:4, 0, 0, 0].tolist()
-    assert len(set(kept)) == 4 and all(k < 6 for k in kept)
-    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), torch.tensor([2, 3, 2, 3]))
+def test_the_uniform_sampler_stores_l2ps_chosen_positions_of_each_tasks_first_epoch() -> None:
+    """L2P's buffer (libml/continual_buffer.py ``gen_batch_index`` / ``add_example``): per task, per_class x its classes
+    distinct positions drawn uniformly from the first ⌊N / B⌋ x B of its stream (the first epoch's full batches), each
+    image stored as its position comes, in stream order, a later task's into its own slots; the host counts what is
+    stored. Over seeds every such position is equally likely, the last partial batch's never."""
+    batch, n, seeds = 4, 14, 300  # 3 full batches (12 positions) and a partial one of 2
+    counts = [0] * n
+    labels = torch.tensor([0, 1] * 7)
+    for seed in range(seeds):
+        torch.manual_seed(seed)
+        config = MemoryConfig(per_class=2)
+        mem = Memory(config, "uniform", num_classes=4, image_shape=(1, 2, 2), batch_size=batch, longest_task=n)
+        mem.start_task(TASK, labels)
+        for epoch in range(2):  # the second epoch's images (100 + position) must never enter
+            for lo in range(0, n, batch):
+                items = [epoch * 100 + i for i in range(lo, min(lo + batch, n))]
+                mem.insert(images_of(items), labels[lo : lo + batch], 0)
+                mem.offer_counted(len(items))
+                assert mem.held == int((mem.labels[:4] >= 0).sum())
+        kept = mem.images[:4, 0, 0, 0].tolist()
+        assert kept == sorted(kept) and len(set(kept)) == 4 and max(kept) < 12, kept
+        for k in kept:
+            counts[k] += 1
+    p = 4 / 12
+    tolerance = 5 * (seeds * p * (1 - p)) ** 0.5
+    assert all(abs(c - seeds * p) < tolerance for c in counts[:12]), counts
+    assert counts[12:] == [0, 0]
+    mem.start_task(Task(1, (2, 3), ("c", "d"), 2), torch.tensor([2, 3] * 4))
     mem.insert(images_of([40, 41, 42, 43]), torch.tensor([2, 3, 2, 3]), 1)
-    assert mem.images[:4, 0, 0, 0].tolist() == kept and set(mem.images[4:8, 0, 0, 0].tolist()) == {40, 41, 42, 43}
+    mem.insert(images_of([44, 45, 46, 47]), torch.tensor([2, 3, 2, 3]), 1)
+    second = mem.images[4:8, 0, 0, 0].tolist()
+    assert mem.images[:4, 0, 0, 0].tolist() == kept
+    assert second == sorted(second) and len(set(second)) == 4 and set(second) <= set(range(40, 48))
     assert mem.tasks[:8].tolist() == [0] * 4 + [1] * 4
+
+
+def test_the_uniform_sampler_draws_with_replacement_while_it_holds_less_than_a_draw() -> None:
+    """L2P's ``get_random_batch``: ``replace = cursor < global_bs``: every row with replacement (the first rows not
+    all distinct), once it holds enough none repeats."""
+    mem = memory(0, "uniform", per_class=2)
+    mem.slot_of = torch.arange(4)  # the first 4 positions of the task are its 4 slots
+    mem.insert(images_of([10, 11, 12, 13]), torch.tensor([0, 1, 0, 1]), 0)
+    torch.manual_seed(0)
+    distinct = sum(len(set(mem.draw(8)[:4].tolist())) == 4 for _ in range(400))
+    assert abs(distinct / 400 - 24 / 256) < 0.05  # 4! / 4^4 of draws with replacement start with 4 distinct slots
+    assert all(sorted(mem.draw(4).tolist()) == [0, 1, 2, 3] for _ in range(20))
 
 
 def test_the_balanced_sampler_shrinks_old_classes_to_an_equal_share() -> None:
@@ -213,9 +246,34 @@ def test_a_run_resumed_mid_task_ends_as_the_uninterrupted_one(
     assert matrices(tmp_path / "cut") == expected
 
 
+def test_the_official_l2p_r_resumed_mid_task_ends_as_the_uninterrupted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """L2P-R as its code: the stored augmented views, the chosen first-epoch positions and the host's count of them,
+    the whole head: stopped in task 1's second epoch (4 steps an epoch), the resumed run replays what the whole one
+    did."""
+    overrides = (
+        "method=l2p",
+        "memory.per_class=4",
+        "memory.view=augmented",
+        "method.replay_scope=all",
+        "method.replay_first_task=false",
+        "data.train_crop=pad",
+        "trainer.checkpoint_every=1",
+    )
+    train(tiny_config(*overrides), tmp_path / "whole")
+    expected = matrices(tmp_path / "whole")
+    assert expected["storage"]["memory"]["samples"] == 24 and expected["storage"]["memory"]["view"] == "augmented"
+    crash_and_resume(monkeypatch, overrides, tmp_path / "cut", 14)
+    assert matrices(tmp_path / "cut") == expected
+
+
 @pytest.mark.parametrize(
     "overrides",
-    [("method=derpp",), ("method=bic", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2")],
+    [
+        ("method=derpp",),
+        ("method=bic", "memory.size=null", "memory.per_class=4", "method.bias_epochs=1", "trainer.epochs=2"),
+    ],
 )
 def test_a_streamed_run_replays_what_a_run_held_on_the_device_replays(
     tmp_path: Path, overrides: tuple[str, ...]
@@ -265,8 +323,9 @@ def test_a_replaying_loss_compiles_as_one_graph(overrides: tuple[str, ...]) -> N
 
 
 def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_stage_sees() -> None:
-    """BiC's split (⌊0.1 · quota⌋ a class, at least one): a new class's validation images are drawn at the task's
-    start and left out of every training phase's data; the memory keeps them apart from its training images."""
+    """BiC's split (⌊0.1 · share⌋ a class, at least one): a new class's validation images are drawn at the task's
+    start and left out of every training phase's data; the bias stage (before the memory update) sees them, and
+    afterwards the memory keeps them apart from its training images."""
     from clbench.data import Split
     from clbench.loop.task import phase_data
     from clbench.methods.base import Phase
@@ -287,10 +346,18 @@ def test_held_out_validation_images_never_reach_training_and_are_all_the_bias_st
     plan = mem.plan(TASK, labels)
     mem.write(plan, images_of(plan.rows()), labels[plan.rows()], 0, first=0)
     validation = phase_data(Owner, Phase("bias", 1, data="validation"), split)  # type: ignore[arg-type]
-    assert sorted(validation.x[:, 0, 0, 0].tolist()) == mem.held_out
+    assert sorted(validation.x[:, 0, 0, 0].tolist()) == sorted(mem.held_out)  # now the memory's, read once
     memory_part = phase_data(Owner, Phase("fit", 1, data="memory"), split)  # type: ignore[arg-type]
     assert len(memory_part) == 18 and not set(memory_part.x[:, 0, 0, 0].tolist()) & set(mem.held_out)
     assert mem.storage()["validation_samples"] == 2
+    second = Task(1, (2, 3), ("c", "d"), 2)
+    labels2 = torch.tensor([2, 3] * 20)
+    mem.start_task(second, labels2)
+    split2 = Split(images_of(list(range(100, 140))), labels2)
+    before_update = phase_data(Owner, Phase("bias", 1, data="validation"), split2)  # type: ignore[arg-type]
+    assert sorted(before_update.y.tolist()) == [0, 1, 2, 3]  # the old classes' from the memory, the new ones' held out
+    old_validation = set(validation.x[:, 0, 0, 0].tolist())
+    assert set(before_update.x[:, 0, 0, 0].tolist()) == old_validation | {100 + r for r in mem.held_out}
 
 
 # ----------------------------------------------------------------------------- budgets refused before any work
@@ -300,8 +367,11 @@ def test_memory_none_drops_the_budget_a_method_sets_and_a_replaying_method_refus
     images a class came after it); a method that replays then refuses to run, naming the budget it needs."""
     with pytest.raises(ConfigError, match=r"`memory\.per_class`: None.*needs a budget.*memory=none"):
         tiny_config(f"method={method}", "memory=none")
-    assert tiny_config(f"method={method}", "memory=none", "memory.per_class=3").memory.per_class == 3
-    assert tiny_config(f"method={method}").memory.per_class == 20  # the method's own budget by default
+    budget = "memory.size=30" if method == "bic" else "memory.per_class=3"  # BiC's code budgets a total
+    cfg = tiny_config(f"method={method}", "memory=none", budget)
+    assert (cfg.memory.size, cfg.memory.per_class) == ((30, None) if method == "bic" else (None, 3))
+    own = tiny_config(f"method={method}").memory  # the method's own budget by default
+    assert (own.size, own.per_class) == ((200, None) if method == "bic" else (None, 20))
 
 
 def test_memory_none_gives_a_preset_that_can_run_without_a_memory_none() -> None:
@@ -316,25 +386,35 @@ def refused_at_build(key: str, value: object, limit: str, *overrides: str) -> No
 
 def test_budgets_the_samplers_cannot_keep_are_refused_with_the_limit() -> None:
     """Each limit from the rules: a class keeps per_class (or size // classes seen) images, at least one; BiC holds
-    ⌊0.1 x quota⌋ of them, at least one, out for its bias stage and trains on the rest, so it needs a quota of 2, and
-    ⌊0.1 x quota⌋ < the class's training images, i.e. quota < 10 x the smallest class."""
+    ⌊0.1 x share⌋ of them, at least one, out for its bias stage and trains on ⌈share⌉ - ⌈0.1 x share⌉ (its code's
+    counts, at most ⌊share⌋ less the held-out ones), so it needs a share of 2, and a new class holds ⌊0.1 x share⌋ of
+    its training images out, fewer than it has: share < 10 x the smallest class."""
     sizes = [
         [int(n) for n in torch.bincount(split.y).tolist() if n]
         for split in build_runtime(tiny_config())[1].benchmark.train
     ]
     classes, smallest = sum(map(len, sizes)), min(min(s) for s in sizes)
-    refused_at_build("memory.per_class", 1, "at least 2 ", "method=bic", "memory.per_class=1")
+    refused_at_build("memory.per_class", 1, "at least 2 ", "method=bic", "memory.size=null", "memory.per_class=1")
     refused_at_build(
         "memory.size", 5, f"at least {2 * classes} ", "method=bic", "memory.per_class=null", "memory.size=5"
     )
     big = 10 * smallest + 5
-    refused_at_build("memory.per_class", big, f"at most {10 * smallest - 1} ", "method=bic", f"memory.per_class={big}")
+    refused_at_build(
+        "memory.per_class",
+        big,
+        f"at most {10 * smallest - 1} ",
+        "method=bic",
+        "memory.size=null",
+        f"memory.per_class={big}",
+    )
     refused_at_build(
         "memory.size", 3, f"at least {classes} ", "method=er", "memory.sampler=balanced", "memory.per_class=null",
         "memory.size=3",
     )  # fmt: skip
-    build_runtime(tiny_config("method=bic", "memory.per_class=2"))  # the limits themselves are accepted
-    build_runtime(tiny_config("method=bic", f"memory.per_class={10 * smallest - 1}"))
+    build_runtime(
+        tiny_config("method=bic", "memory.size=null", "memory.per_class=2")
+    )  # the limits themselves are accepted
+    build_runtime(tiny_config("method=bic", "memory.size=null", f"memory.per_class={10 * smallest - 1}"))
 
 
 def slot_bytes(memory: Memory) -> int:

@@ -152,10 +152,10 @@ def test_each_meat_row_composes_with_the_papers_setting(row: str) -> None:
     assert (b.model, b.tag, b.pretrained, b.drop_path_rate) == ("deit_small_patch16_224", "fb_in1k", True, 0.1)
     assert d.datasets == ["cub200", "stanford_cars", "fgvc_aircraft", "wikiart", "sketches", "cifar100"]
     assert (t.batch_size, t.epochs, t.schedule, t.warmup_epochs, t.mixup, t.cutmix) == (256, 30, "cosine", 5, 0.8, 1.0)
-    own = {"piggyback": ("adam", 1e-4, None), "hat": ("sgd", 0.05, None)}
+    own = {"piggyback": ("adam", 1e-4, None), "hat": ("sgd", 0.05, None), "adapter": ("adamw_bert", 5e-4, 1024)}
     assert (t.optimizer, t.lr, t.lr_scale_batch) == own.get(name, ("adamw", 5e-4, 1024))
-    if name == "adapter":
-        assert (cfg.method.bottleneck, t.weight_decay, t.grad_clip) == (24, 0.01, 1.0)
+    if name == "adapter":  # adapter-bert's optimizer, weight decay, clipping and head
+        assert (cfg.method.bottleneck, t.weight_decay, t.grad_clip, cfg.method.head_init) == (24, 0.01, 1.0, "bert")
 
 
 @pytest.mark.parametrize(

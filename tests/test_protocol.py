@@ -20,8 +20,7 @@ from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods import METHODS as ALL_METHODS
-from clbench.methods.base import Method
-from clbench.methods.prompting import init_head
+from clbench.methods.base import Method, init_head
 from conftest import TINY, baselines_slow, clbench, compose_config, tiny_config
 
 

@@ -275,7 +275,7 @@ class TrainerConfig:
     eval_batch_size: int = 256  # evaluation batch
     lr: float = 1e-3  # peak learning rate (a method's optimizer groups may carry their own)
     lr_scale_batch: int | None = None  # linear scaling rule: lr * batch_size / lr_scale_batch (null: off)
-    optimizer: str = "adamw"  # adamw | adam | sgd
+    optimizer: str = "adamw"  # adamw | adam | sgd | adamw_bert (BERT's: no bias correction, eps 1e-6)
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0  # not on biases, norms and position/class tokens (unless a method's group sets its own)
     schedule: str = "cosine"  # cosine | constant | exponential, per phase | plateau (HAT's, on validation)
@@ -315,7 +315,7 @@ class TrainerConfig:
             self.lr_scale_batch,
             "null or an integer > 0",
         )
-        require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd"))
+        require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd", "adamw_bert"))
         require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
         require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "exponential", "plateau"))
@@ -374,9 +374,17 @@ class MemoryConfig:
     per_class: int | None = None  # images kept a class (null: no per-class budget)
     size: int | None = None  # a fixed total number of images (null: no fixed budget)
     batch_size: int | None = None  # memory images a replayed draw adds to each step (null: trainer.batch_size)
+    # herding: after each task, the old classes' images chosen again by herding on the current model's features (BiC's
+    # code) | false: an old class keeps the first ones chosen (iCaRL's ReduceExemplarSet)
+    reselect: bool = False
+    # what a step sampler stores: raw (the image as the benchmark stores it, augmented again at every draw: mammoth's)
+    # | augmented (the view the step that stored it trained on, replayed as stored: L2P's buffer; float32 at the
+    # model's input size)
+    view: str = "raw"
 
     def __post_init__(self) -> None:
         require_choice("memory.sampler", self.sampler, ("auto", *SAMPLERS))
+        require_choice("memory.view", self.view, ("raw", "augmented"))
         for key in ("per_class", "size", "batch_size"):
             value = getattr(self, key)
             require(value is None or value >= 1, f"memory.{key}", value, "null or an integer >= 1")
@@ -499,6 +507,7 @@ def validate(cfg: DictConfig) -> RunConfig:
     method = _typed(method_cls.Config, params, "method")
     require_finite(method, "method")
     check_memory(groups["memory"], method_cls)
+    method_cls.check_trainer(method, groups["trainer"])
     require(
         groups["trainer"].cil_classes == "seen" or method_cls.scores_unseen_classes(),
         "trainer.cil_classes",
@@ -603,6 +612,20 @@ def check_memory(memory: MemoryConfig, method_cls: type) -> None:
         memory.sampler,
         f"auto, {' or '.join(HOLDING_OUT)} with {name}: its bias stage trains on the validation images these samplers "
         "hold out of each class",
+    )
+    require(
+        not (memory.active and memory.view == "augmented" and memory_sampler(memory, method_cls) not in STEP_SAMPLERS),
+        "memory.view",
+        "augmented",
+        f"raw with the {memory_sampler(memory, method_cls)} sampler: it chooses after the task, from images no step "
+        f"augmented (augmented: {' or '.join(STEP_SAMPLERS)})",
+    )
+    require(
+        not (memory.active and memory.reselect and memory_sampler(memory, method_cls) != "herding"),
+        "memory.reselect",
+        True,
+        f"false with the {memory_sampler(memory, method_cls)} sampler: only herding chooses the old classes' images "
+        "again",
     )
 
 

@@ -3,8 +3,9 @@ benchmark's class counts before any work (a budget found wanting at task 3, or a
 here with the reason and the limit):
 
 - the balanced and herding samplers keep ``per_class``, or ``size // classes seen``, images of every seen class: at
-  least one each at every task, plus what BiC holds out of each class for its bias stage (⌊holdout · quota⌋, at least
-  one), which must also be fewer than the class's training images;
+  least one each at every task; BiC keeps ⌈share⌉ − ⌈0.1 · share⌉ of them to train on and holds ⌊0.1 · share⌋ (at
+  least one) out for its bias stage, which must be fewer than a new class's training images (the counting rules are
+  here, and :class:`clbench.memory.Memory` follows them);
 - the memory's buffers (images, labels, task ids, priorities, sources, validation flags, DER++'s logits) fit in the
   memory where they are held (the training device, or the host's where they are pinned);
 - a training step's replayed images (``memory.batch_size`` a draw) fit on the training device.
@@ -14,23 +15,36 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 
 from clbench.config import MemoryConfig, require
 
 QUOTA_SAMPLERS = ("balanced", "herding")  # the samplers that keep a quota of every seen class
 
 
-def class_quota(per_class: int | None, capacity: int, seen: int) -> int:
-    """Images a class keeps once ``seen`` classes have been seen (balanced and herding samplers): ``per_class``, or
-    an equal share of a fixed total."""
-    return per_class if per_class is not None else capacity // seen
+def class_share(per_class: int | None, capacity: int, classes: int) -> Fraction:
+    """The images a class may hold when ``classes`` classes share the memory: ``per_class``, or ``capacity`` /
+    classes (not rounded: the task samplers round as their codes do)."""
+    return Fraction(per_class) if per_class is not None else Fraction(capacity, classes)
 
 
-def held_out(holdout: float, quota: int) -> int:
-    """Of a class's ``quota`` images in memory, those held out for validation: ⌊holdout · quota⌋, at least one (BiC's
-    code: ⌊0.1 · nb_proto⌋ of its nb_proto exemplars a class); none without a holdout."""
-    return max(1, int(holdout * quota)) if holdout else 0
+def validation_count(holdout: Fraction, share: Fraction) -> int:
+    """Of a class's ``share``, the images held out for validation: ⌊holdout · share⌋, at least one (BiC's code:
+    nb_val_itera = ⌊0.1 · K / n⌋ with K images in all and n classes, imagenet_main.py L439; clbench keeps one where
+    that is 0, so that a small memory still has a bias stage); none without a holdout."""
+    return max(1, math.floor(holdout * share)) if holdout else 0
+
+
+def exemplar_count(holdout: Fraction, share: Fraction) -> int:
+    """Of a class's ``share``, the training images a task sampler keeps: ⌊share⌋ (iCaRL's m = K // n), or with a
+    validation share BiC's ⌈K / n⌉ − ⌈0.1 · K / n⌉ (imagenet_main.py L488-489), at most ⌊share⌋ less the validation
+    images (so that the memory never holds more than K)."""
+    if not holdout:
+        return math.floor(share)
+    official = math.ceil(share) - math.ceil(holdout * share)
+    return min(official, math.floor(share) - validation_count(holdout, share))
 
 
 def capacity_of(config: MemoryConfig, classes: int) -> int:
@@ -38,23 +52,21 @@ def capacity_of(config: MemoryConfig, classes: int) -> int:
     return config.size if config.size is not None else config.per_class * classes
 
 
-def largest_quota(holdout: float, images: int) -> int:
-    """The largest quota whose held-out share leaves a class of ``images`` training images one to train on (0: none)."""
-    if images <= 1:
-        return 0
-    quota = int(images / holdout)
-    while quota > 0 and held_out(holdout, quota) >= images:
-        quota -= 1
-    while held_out(holdout, quota + 1) < images:
-        quota += 1
-    return quota
+def first_true(ok: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """The least value in ``lo .. hi`` where the monotone ``ok`` (false, then true) holds; None where it never does."""
+    if not ok(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ok(mid) else (mid + 1, hi)
+    return lo
 
 
-def memory_bytes(capacity: int, image_shape: tuple[int, ...], classes: int, logits: bool) -> int:
-    """Bytes of a memory of ``capacity`` slots and its scratch row (:class:`clbench.memory.Memory`'s buffers): uint8
-    images, four int64 per slot (label, task, rank, source), a validation flag, and DER++'s fp32 logits over every
-    class with their int64 width."""
-    per_slot = math.prod(image_shape) + 4 * 8 + 1 + (classes * 4 + 8 if logits else 0)
+def memory_bytes(capacity: int, image_shape: tuple[int, ...], classes: int, logits: bool, image_bytes: int = 1) -> int:
+    """Bytes of a memory of ``capacity`` slots and its scratch row (:class:`clbench.memory.Memory`'s buffers): images
+    (uint8 as the benchmark stores them, or ``image_bytes`` 4: float32 augmented views), four int64 per slot (label,
+    task, rank, source), a validation flag, and DER++'s fp32 logits over every class with their int64 width."""
+    per_slot = image_bytes * math.prod(image_shape) + 4 * 8 + 1 + (classes * 4 + 8 if logits else 0)
     return (capacity + 1) * per_slot
 
 
@@ -85,10 +97,23 @@ class Budget:
         """The classes seen once each task has started."""
         return list(itertools.accumulate(map(len, self.class_sizes)))
 
+    def exemplars(self, value: int) -> list[int]:
+        """The training images a class keeps at each task, the budget set to ``value`` (balanced, herding)."""
+        per_class = value if self.key == "per_class" else None
+        capacity = value * self.classes if self.key == "per_class" else value
+        return [exemplar_count(self.share, class_share(per_class, capacity, n)) for n in self.seen]
+
+    def validations(self, value: int) -> list[int]:
+        """The validation images each new class of each task holds out of its training, the budget set to ``value``:
+        counted over the classes before the task (the first task's over its own), as BiC's bias stage takes them."""
+        per_class = value if self.key == "per_class" else None
+        capacity = value * self.classes if self.key == "per_class" else value
+        before = [n - len(sizes) or n for n, sizes in zip(self.seen, self.class_sizes, strict=True)]
+        return [validation_count(self.share, class_share(per_class, capacity, n)) for n in before]
+
     @property
-    def quotas(self) -> list[int]:
-        """A class's quota at each task (balanced and herding samplers)."""
-        return [class_quota(self.config.per_class, capacity_of(self.config, self.classes), n) for n in self.seen]
+    def share(self) -> Fraction:
+        return Fraction(str(self.holdout))
 
     def refuse_unless(self, ok: bool, allowed: str) -> None:
         require(ok, f"memory.{self.key}", self.value, allowed)
@@ -97,49 +122,50 @@ class Budget:
         """Refuse a budget the balanced or herding sampler cannot keep at some task."""
         if sampler not in QUOTA_SAMPLERS:
             return
-        fewest = next(q for q in range(1, 3) if q - held_out(self.holdout, q) >= 1)  # 1, or 2 with a holdout < 1
         keeps = (
-            f"{self.who} holds ⌊{self.holdout:g} x the quota⌋ (at least one) of each class's images in memory out "
-            "for its bias stage and needs one more to train on"
+            f"{self.who} holds ⌊{self.holdout:g} x a class's share⌋ (at least one) of its images in memory out for "
+            f"its bias stage and keeps ⌈share⌉ − ⌈{self.holdout:g} x share⌉ to train on, at least one"
             if self.holdout
             else f"the {sampler} sampler keeps {'per_class' if self.key == 'per_class' else 'size // classes seen'} "
             "images of each seen class, at least one"
         )
-        least = fewest if self.key == "per_class" else fewest * self.classes
-        self.refuse_unless(
-            all(q - held_out(self.holdout, q) >= 1 for q in self.quotas),
-            f"at least {least} on this benchmark's {self.classes} classes: {keeps}",
-        )
+
+        def enough(value: int) -> bool:
+            return min(self.exemplars(value)) >= 1
+
+        least = first_true(enough, 1, 4 * (1 if self.key == "per_class" else self.classes))
+        self.refuse_unless(enough(self.value), f"at least {least} on this benchmark's {self.classes} classes: {keeps}")
         if self.holdout:
             self.check_holdout()
 
     def check_holdout(self) -> None:
-        """Each new class must have more training images than the share of its quota it holds out (it trains on the
+        """Each new class must have more training images than the validation images it holds out (it trains on the
         rest)."""
-        smallest, quotas = [min(sizes) for sizes in self.class_sizes], self.quotas
-        worst = min(range(len(quotas)), key=lambda t: smallest[t] - held_out(self.holdout, quotas[t]))
-        share = held_out(self.holdout, quotas[worst])
-        if share < smallest[worst]:
+        smallest = [min(sizes) for sizes in self.class_sizes]
+
+        def fits(value: int) -> bool:
+            return all(v < n for v, n in zip(self.validations(value), smallest, strict=True))
+
+        if fits(self.value):
             return
-        largest = [largest_quota(self.holdout, n) for n in smallest]
-        most = (
-            min(largest)
-            if self.key == "per_class"
-            else min((q + 1) * n - 1 for q, n in zip(largest, self.seen, strict=True))
-        )
+        counts = self.validations(self.value)
+        worst = min(range(len(counts)), key=lambda t: smallest[t] - counts[t])
+        too_many = first_true(lambda value: not fits(value), 1, self.value)
+        most = (too_many or 1) - 1
         self.refuse_unless(
             False,
             (f"at most {most} on this benchmark" if most >= 1 else "none on this benchmark")
-            + f": {self.who} holds ⌊{self.holdout:g} x {quotas[worst]}⌋ = {share} images of each class of task "
-            f"{worst} out of training for its bias stage, and that task's smallest class has {smallest[worst]} "
+            + f": {self.who} holds {counts[worst]} images of each class of task {worst} out of training for its bias "
+            f"stage (⌊{self.holdout:g} x a class's share⌋), and that task's smallest class has {smallest[worst]} "
             "training images",
         )
 
     def check_allocation(self, image_shape: tuple[int, ...], *, logits: bool, free: int, where: str) -> int:
         """Refuse a memory whose buffers do not fit in the ``free`` bytes of ``where``; returns its bytes."""
         capacity = capacity_of(self.config, self.classes)
-        need = memory_bytes(capacity, image_shape, self.classes, logits)
-        slots = free // memory_bytes(0, image_shape, self.classes, logits) - 1
+        image_bytes = 4 if self.config.view == "augmented" else 1
+        need = memory_bytes(capacity, image_shape, self.classes, logits, image_bytes)
+        slots = free // memory_bytes(0, image_shape, self.classes, logits, image_bytes) - 1
         most = max(slots // self.classes if self.key == "per_class" else slots, 0)
         self.refuse_unless(
             need <= free,

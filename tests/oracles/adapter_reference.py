@@ -61,3 +61,21 @@ def adapted_block(
     x = x + (h if adapter1 is None else adapter(h, *adapter1))
     h = mlp(layer_norm(x, *norm2))
     return x + (h if adapter2 is None else adapter(h, *adapter2))
+
+
+def bert_adam_steps(
+    theta: list[float], grads: list[list[float]], lr: float, weight_decay: float, eps: float = 1e-6
+) -> list[float]:
+    """adapter-bert optimization.py ``AdamWeightDecayOptimizer.apply_gradients`` (L118-160), one scalar parameter at a
+    time: next_m = 0.9 m + 0.1 g, next_v = 0.999 v + 0.001 g², update = next_m / (sqrt(next_v) + eps)
+    (+ weight_decay x param), param -= lr x update. No bias correction. ``grads[k]`` is step k's gradient."""
+    out = list(theta)
+    m = [0.0] * len(theta)
+    v = [0.0] * len(theta)
+    for g in grads:
+        for i, gi in enumerate(g):
+            m[i] = 0.9 * m[i] + (1.0 - 0.9) * gi
+            v[i] = 0.999 * v[i] + (1.0 - 0.999) * gi * gi
+            update = m[i] / (math.sqrt(v[i]) + eps) + weight_decay * out[i]
+            out[i] = out[i] - lr * update
+    return out

@@ -1,6 +1,7 @@
 """The optimizer and learning-rate schedule of one phase.
 
-One optimizer over the method's parameter groups (AdamW, Adam or SGD; fused on CUDA). On CUDA every group's learning
+One optimizer over the method's parameter groups (AdamW, Adam or SGD, fused on CUDA; or BERT's AdamWeightDecayOptimizer,
+:class:`AdamWBert`). On CUDA every group's learning
 rate is a device tensor that the schedule fills in place, so a captured CUDA graph of the step reads the current rate
 at every replay and the eager step never copies a rate to the device (:func:`rates_on_device`).
 """
@@ -48,8 +49,42 @@ def build_optimizer(
     cuda = all(p.is_cuda for g in final for p in g["params"])
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(final, lr=cfg.lr, momentum=cfg.momentum, **({"fused": True} if cuda else {}))
+    if cfg.optimizer == "adamw_bert":
+        return AdamWBert(final, lr=cfg.lr)
     opt_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
     return opt_cls(final, lr=cfg.lr, **({"fused": True, "capturable": capturable} if cuda else {}))
+
+
+class AdamWBert(torch.optim.Optimizer):
+    """BERT's and adapter-bert's AdamWeightDecayOptimizer (google-research/adapter-bert@1a31fc6 optimization.py
+    L87-170): m ← β1 m + (1 − β1) g, v ← β2 v + (1 − β2) g², θ ← θ − lr (m / (√v + ε) + wd θ), with β = (0.9, 0.999)
+    and ε = 1e-6, **without** Adam's bias correction (its first steps are larger than torch's AdamW's: 1 / (1 − β1^t)
+    against √(1 − β2^t) / (1 − β1^t)). The weight decay is each group's, as torch's optimizers take it. Device ops only
+    (a tensor learning rate is read in place): a CUDA graph replays its step."""
+
+    def __init__(self, params: list[dict[str, Any]], lr: float, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0) -> None:  # fmt: skip
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        assert closure is None, "AdamWBert takes no closure"
+        for group in self.param_groups:
+            (b1, b2), eps, decay, lr = group["betas"], group["eps"], group["weight_decay"], group["lr"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                m.mul_(b1).add_(p.grad, alpha=1 - b1)
+                v.mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = m / (v.sqrt() + eps)
+                if decay:
+                    update.add_(p, alpha=decay)
+                p.sub_(update * lr)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

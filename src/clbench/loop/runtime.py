@@ -191,28 +191,39 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     transforms = (DeviceTransform(cfg.data, size, mean, std, train=t, device=device) for t in (True, False))
     rt = Runtime(cfg, benchmark, device, *transforms, ranks=ranks, accel=accel, backbone_parts=parts)
     if cfg.memory.active:  # in pinned host memory where the training images stay on disk
-        check_memory_budget(cfg, method, benchmark, device, host=rt.streamed)
+        augmented = cfg.memory.view == "augmented"  # the model's input, as the step that stored it trained on it
+        image_shape = (3, size, size) if augmented else tuple(benchmark.train[0].x.shape[1:])
+        check_memory_budget(cfg, method, benchmark, device, host=rt.streamed, image_shape=image_shape)
         method.memory = Memory(
             cfg.memory,
             memory_sampler(cfg.memory, type(method)),
             num_classes=benchmark.num_classes,
-            image_shape=tuple(benchmark.train[0].x.shape[1:]),
+            image_shape=image_shape,
             logits=method.memory_logits,
             holdout=method.memory_holdout,
             device=device,
             host=rt.streamed,
+            batch_size=cfg.trainer.batch_size,
+            longest_task=max(len(split) for split in benchmark.train),
         )
     return method, rt
 
 
-def check_memory_budget(cfg: RunConfig, method: Method, benchmark: Benchmark, device: torch.device, host: bool) -> None:
+def check_memory_budget(
+    cfg: RunConfig,
+    method: Method,
+    benchmark: Benchmark,
+    device: torch.device,
+    host: bool,
+    image_shape: tuple[int, ...],
+) -> None:
     """Before the memory is allocated: its budget on this benchmark's class counts, its bytes where it will be held
-    (``host``: pinned host memory), and a step's replayed images on the device (:mod:`clbench.memory_budget`)."""
+    (``host``: pinned host memory; ``image_shape``: an image as the memory keeps it), and a step's replayed images on
+    the device (:mod:`clbench.memory_budget`)."""
     sizes = [torch.bincount(split.y - t.offset, minlength=t.num_classes).tolist() for t, split in
              zip(benchmark.tasks, benchmark.train, strict=True)]  # fmt: skip
     budget = Budget(cfg.memory, sizes, type(method).__name__, method.memory_holdout)
     budget.check_quotas(memory_sampler(cfg.memory, type(method)))
-    image_shape = tuple(benchmark.train[0].x.shape[1:])
     on_host = host or device.type == "cpu"
     free = free_memory(torch.device("cpu") if on_host else device)
     taken = budget.check_allocation(
@@ -257,9 +268,10 @@ def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) 
         memory = method.memory
         budget = f"{cfg.memory.per_class} images a class" if cfg.memory.per_class else "a fixed total"
         image = memory.images[0]
+        view = "as trained on (float32)" if memory.augmented else "uint8"
         lines.append(
-            f"memory: {memory.sampler} sampler, {memory.capacity} images ({budget}) of {tuple(image.shape)} uint8, "
-            f"{memory.capacity * image.numel() / 2**20:.1f} MiB in {memory.location}"
+            f"memory: {memory.sampler} sampler, {memory.capacity} images ({budget}) of {tuple(image.shape)} {view}, "
+            f"{memory.capacity * image.numel() * image.element_size() / 2**20:.1f} MiB in {memory.location}"
             + (f"; {method.replay_draws} x {replay_rows(cfg)} images replayed a step" if method.replay_draws else "")
         )
     return lines

@@ -40,6 +40,7 @@ from clbench.data import Task
 from clbench.errors import GraphCaptureError
 from clbench.loop.divergence import FirstNonFinite
 from clbench.loop.runtime import Runtime, replay_rows
+from clbench.memory import STORED_FIRST
 from clbench.methods import Method
 from clbench.methods.base import Logs, Replay
 from clbench.tracking import say
@@ -109,6 +110,10 @@ def train_step(
         x = x[part]
     else:  # an odd last batch is not mixed (timm's Mixup pairs images)
         x = rt.train_tf(x_raw, part)
+    memory = method.memory
+    stores = memory is not None and memory.sampler in STEP_SAMPLERS
+    if stores and memory.sampler in STORED_FIRST:  # L2P's buffer: the batch's chosen images go in before the draw
+        offer(method, task, rt, x_raw, labels, view=x)
     extra: dict[str, Any] = {"replay": draw_replay(method, rt, len(y))} if replay else {}
     if ids is not None:
         extra["ids"] = ids[part]
@@ -126,16 +131,17 @@ def train_step(
         torch.nn.utils.clip_grad_norm_(params, rt.cfg.trainer.grad_clip)
     optimizer.step()
     method.after_step(task)
-    if method.memory is not None and method.memory.sampler in STEP_SAMPLERS:
-        offer(method, task, rt, x_raw, labels)
+    if stores and memory.sampler not in STORED_FIRST:  # the reservoir: after the update (DER++'s logits are its step's)
+        offer(method, task, rt, x_raw, labels, view=x)
     return loss.detach(), logs
 
 
 def draw_replay(method: Method, rt: Runtime, current: int) -> tuple[Replay, ...]:
-    """The method's ``replay_draws`` independent draws of memory images, each augmented as a training batch (this
-    rank's rows of it), with their labels and stored logits: :func:`replay_rows` for a full batch, proportionally fewer
-    for an epoch's last, smaller one (``current`` rows), so that the ranks of a multi-process run hold the same share
-    of both and the averaged gradients are the whole batch's."""
+    """The method's ``replay_draws`` independent draws of memory images, each augmented as a training batch (a memory
+    of augmented views: as stored) (this rank's rows of it), with their labels and stored logits: :func:`replay_rows`
+    for a full batch, proportionally fewer for an epoch's last, smaller one (``current`` rows), so that the ranks of a
+    multi-process run hold the same share of both and the averaged gradients are the whole batch's (mammoth draws
+    ``minibatch_size`` whatever the batch: a stated departure)."""
     memory = method.memory
     assert memory is not None
     rows = max(1, replay_rows(rt.cfg) * current // rt.cfg.trainer.batch_size)
@@ -144,22 +150,30 @@ def draw_replay(method: Method, rt: Runtime, current: int) -> tuple[Replay, ...]
     for _ in range(method.replay_draws):
         slots = memory.draw(rows)
         stored = (memory.logits[slots][part], memory.width[slots][part]) if memory.keeps_logits else (None, None)
-        out.append(Replay(rt.train_tf(memory.images[slots], part), memory.labels[slots][part], *stored))
+        images = memory.images[slots][part] if memory.augmented else rt.train_tf(memory.images[slots], part)
+        out.append(Replay(images, memory.labels[slots][part], *stored))
     return tuple(out)
 
 
-def offer(method: Method, task: Task, rt: Runtime, x_raw: torch.Tensor, labels: torch.Tensor) -> None:
-    """Offer the whole global batch (un-augmented, as stored) to the reservoir, with the logits the method kept of
-    its rows (DER++). A rank of a multi-process run reading from the on-disk cache holds only its rows of the
-    batch (the rest zeros): the ranks complete it (an element-wise max), and gather the logits of their rows."""
-    assert method.memory is not None
-    images, logits = x_raw, method.stored_logits
+def offer(
+    method: Method, task: Task, rt: Runtime, x_raw: torch.Tensor, labels: torch.Tensor, *, view: torch.Tensor
+) -> None:
+    """Offer the whole global batch to the step sampler: un-augmented as stored (``x_raw``), or the augmented view this
+    rank trains on (``view``, its rows) where the memory keeps that; with the logits the method kept of its rows
+    (DER++). A rank of a multi-process run holds only its rows of the augmented view, or, reading from the on-disk
+    cache, of the raw batch (the rest zeros): the ranks gather the views and the logits of their rows and complete the
+    raw batch (an element-wise max)."""
+    memory = method.memory
+    assert memory is not None
+    images, logits = (view if memory.augmented else x_raw), method.stored_logits
     if rt.ranks.size > 1:
-        if rt.streamed:
+        if memory.augmented:
+            images = rt.ranks.gather_rows(view, len(labels))
+        elif rt.streamed:
             images = rt.ranks.complete_rows(x_raw)
         if logits is not None:
             logits = rt.ranks.gather_rows(logits, len(labels))
-    method.memory.insert(images, labels, task.id, logits)
+    memory.insert(images, labels, task.id, logits)
 
 
 class StepGraph:
@@ -223,9 +237,12 @@ class Stepper:
     def __call__(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         """One step on a raw batch (``ids``: its rows' positions in the phase's data, where the method takes them)."""
         memory = self.method.memory
-        self.replay = bool(self.method.replay_draws) and memory is not None and not memory.empty
+        stores = memory is not None and memory.sampler in STEP_SAMPLERS
+        if stores and memory.sampler in STORED_FIRST:
+            memory.offer_counted(len(y))  # the host's count of what the step stores before it draws
+        self.replay = self.method.draws_replay(self.task) and memory is not None and not memory.empty
         out = self.step(x_raw, y, ids)
-        if memory is not None and memory.sampler in STEP_SAMPLERS:
+        if stores and memory.sampler not in STORED_FIRST:
             memory.offer_counted(len(y))  # the host's count of what the step offered (a graph replay runs no Python)
         return out
 

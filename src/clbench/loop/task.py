@@ -13,7 +13,7 @@ import dataclasses
 import math
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
 
@@ -88,44 +88,64 @@ def run_task(
 
 def phase_data(method: Method, phase: Phase, split: Split, streamed_from: list[Split] | None = None) -> Split:
     """What a training phase trains on (:attr:`Phase.data`): the task's ``split`` (less the images the memory holds
-    out for validation), the memory's training images, both, or the memory's validation images. ``streamed_from``:
-    the benchmark's training splits where they are streamed from disk; both are then streamed together, the memory's
-    images read from where they came from."""
+    out for validation), the memory's training images, both, or the validation images: the memory's and those held
+    out of the task that it has not stored yet (BiC's bias stage, before the memory update). ``streamed_from``: the
+    benchmark's training splits where they are streamed from disk; the memory's images are then read from where they
+    came from, to be streamed with the task's."""
     memory = method.memory
-    if memory is not None and memory.held_out and phase.data in ("task", "task+memory"):
+    held_out = memory.held_out if memory is not None else []
+    if held_out and phase.data in ("task", "task+memory"):
         kept = torch.ones(len(split), dtype=torch.bool)
-        kept[memory.held_out] = False
-        index = kept.nonzero().flatten().to(split.y.device)
-        split = Split(split.x[index], split.y[index])
+        kept[held_out] = False
+        split = subset(split, kept.nonzero().flatten())
     if phase.data == "task":
         return split
     if memory is None or memory.empty:
         raise RuntimeError(f"the {phase.name} phase trains on the memory, which holds nothing")
     if phase.data == "task+memory":
         return Split.cat([split, memory.held_split(streamed_from=streamed_from)])
-    return memory.held_split(validation=phase.data == "validation")
+    if phase.data == "validation":
+        own = subset(split, torch.tensor(memory.pending, dtype=torch.long))
+        return Split.cat([memory.held_split(validation=True, streamed_from=streamed_from), own])
+    return memory.held_split()
+
+
+def subset(split: Split, rows: torch.Tensor) -> Split:
+    """The ``rows`` of ``split`` (a host index), as a split."""
+    index = rows.to(split.y.device)
+    return Split(split.x[index], split.y[index])
 
 
 @torch.no_grad()
 def update_memory(method: Method, task: Task, rt: Runtime) -> None:
     """A ``memory`` phase: the memory's sampler chooses from the task's training images (herding on their features,
-    in eval mode, without augmentation); rank 0's choice is every rank's."""
+    and with ``memory.reselect`` on the held images' too: eval mode, no augmentation); rank 0's choice is every
+    rank's."""
     memory, split = method.memory, rt.benchmark.train[task.id]
     assert memory is not None
     labels = split.y.cpu()
-    features = None
+    features = held = None
     if memory.sampler == "herding":
         method.eval()
-        chunks = []
-        for x_raw, _ in split.batches(rt.cfg.trainer.eval_batch_size):
-            with rt.autocast:
-                chunks.append(method.features(rt.test_tf(x_raw), task.id).float())
-        features = torch.cat(chunks)
-    plan = rt.ranks.broadcast(memory.plan(task, labels, features))
+        features = batched_features(method, task, rt, (x for x, _ in split.batches(rt.cfg.trainer.eval_batch_size)))
+        if memory.reselect and not memory.empty:
+            size = rt.cfg.trainer.eval_batch_size
+            images = memory.images[: memory.capacity]
+            held = batched_features(method, task, rt, (images[i : i + size] for i in range(0, len(images), size)))
+    plan = rt.ranks.broadcast(memory.plan(task, labels, features, held))
     rows = torch.tensor(plan.rows(), dtype=torch.long, device=split.y.device)
     images = split.batch(rows, 0, len(rows))[0] if len(rows) else split.x[:0]
     first = sum(len(s) for s in rt.benchmark.train[: task.id])  # where the task's images start in the training data
     memory.write(plan, images, labels[rows.cpu()], task.id, first=first)
+
+
+def batched_features(method: Method, task: Task, rt: Runtime, batches: Iterator[torch.Tensor]) -> torch.Tensor:
+    """The method's features (fp32, on the device) of raw image batches through the test transform."""
+    chunks = []
+    for x_raw in batches:
+        with rt.autocast:
+            chunks.append(method.features(rt.test_tf(x_raw), task.id).float())
+    return torch.cat(chunks)
 
 
 class PhaseRun:
@@ -149,6 +169,7 @@ class PhaseRun:
         self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
         self.per_epoch = split.num_batches(cfg.batch_size)
         self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
+        method.check_steps(task, phase, self.optimizer)
         if hooks.trains is not None:
             hooks.trains(task, phase, trained_counts(self.optimizer, parameter_parts(method, rt.backbone_parts)))
         total, warmup = phase.epochs * self.per_epoch, round(cfg.warmup_epochs * self.per_epoch)

@@ -25,6 +25,11 @@ With ``task_norms`` each task has its own copies of every LayerNorm of the backb
 ones and trained with the adapters and the head (Houlsby §2.1: "new layer normalization parameters per task";
 optimization.py L72-73), which keeps the pretrained model exact for task 0 in MEAT's setting.
 
+Training (options for adapter-bert's own, which MEAT's Table 1 preset selects): ``trainer.optimizer=adamw_bert`` is its
+AdamWeightDecayOptimizer (optimization.py L87-170: Adam without bias correction, ε 1e-6, weight decay added to the
+update), ``method.head_init=bert`` its classifier's truncated-normal head (run_classifier.py L546-552); adapter-bert
+trains adapters, norms and head at one learning rate (``method.adapter_lr=null``).
+
 Per task t the method creates adapters, norms and head in ``before_task`` (deterministically, so a resumed run's
 replay rebuilds them before the checkpoint is loaded); only those are optimised; ``after_task`` freezes them, so no
 later task moves them: task-incremental forgetting is exactly 0. ``features(x, t)`` switches every wrapped sub-layer
@@ -44,10 +49,10 @@ import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
-from clbench.config import require
+from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.base import HEAD_INITS, Logs, Method, Phase, init_head
 
 
 @dataclass
@@ -57,6 +62,7 @@ class AdapterConfig:
     task_norms: bool = True  # per-task LayerNorms initialised from the pretrained ones (Houlsby §2.1)
     init_std: float = 1e-3  # std of the truncated-normal adapter weights (Houlsby code: init_scale=1e-3)
     adapter_lr: float | None = None  # lr of adapters and norms (null: trainer.lr, the head's)
+    head_init: str = "default"  # default: nn.Linear's | bert: N(0, 0.02) cut at 2 std, bias 0 (adapter-bert's)
 
     def __post_init__(self) -> None:
         require(isinstance(self.bottleneck, int) and self.bottleneck >= 1, "method.bottleneck", self.bottleneck,
@@ -66,6 +72,7 @@ class AdapterConfig:
         require(math.isfinite(std) and std > 0, "method.init_std", std, "a finite float > 0")
         lr = self.adapter_lr
         require(lr is None or (math.isfinite(lr) and lr > 0), "method.adapter_lr", lr, "null or a finite float > 0")
+        require_choice("method.head_init", self.head_init, HEAD_INITS)
 
 
 class HoulsbyAdapter(nn.Module):
@@ -157,6 +164,12 @@ class Adapter(Method):
             wrapped = TaskNorm(norm)
             setattr(parent, attr, wrapped)
             self.task_norms[key] = wrapped
+
+    def new_head(self, num_classes: int) -> nn.Linear:
+        """A head initialised as ``method.head_init`` says."""
+        head = super().new_head(num_classes)
+        init_head(head, self.config.head_init)
+        return head
 
     # ----------------------------------------------------------------------------- per-task state
     def _switches(self) -> list[AdaptedSublayer | TaskNorm]:

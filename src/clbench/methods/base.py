@@ -41,6 +41,27 @@ class Replay(NamedTuple):
     width: torch.Tensor | None = None
 
 
+HEAD_INITS = ("default", "trunc_normal", "bert", "zeros")
+
+
+def init_head(head: nn.Linear, kind: str) -> None:
+    """A head's first weights: ``default`` keeps nn.Linear's (U(+-1/sqrt(D)) weight and bias: CODA-Prompt's code),
+    ``trunc_normal`` N(0, 0.02) truncated at +-2 and a zero bias (timm's ViT init in the PyTorch ports of L2P and
+    DualPrompt), ``bert`` N(0, 0.02) truncated at two standard deviations and a zero bias (TensorFlow's
+    ``truncated_normal_initializer(stddev=0.02)`` of BERT's classifier: adapter-bert run_classifier.py L546-552),
+    ``zeros`` weight and bias (the L2P JAX code's ``kernel_init=zeros``)."""
+    if kind == "default":
+        return
+    with torch.no_grad():
+        if kind == "trunc_normal":
+            nn.init.trunc_normal_(head.weight, std=0.02)
+        elif kind == "bert":
+            nn.init.trunc_normal_(head.weight, std=0.02, a=-0.04, b=0.04)
+        else:
+            head.weight.zero_()
+        head.bias.zero_()
+
+
 @dataclass(frozen=True)
 class Phase:
     """A stretch of training with its own optimizer and schedule (e.g. PackNet's train, then retrain). An
@@ -111,6 +132,11 @@ class Method(nn.Module):
         sets one is warned at its start (a sweep over it would give equal results)."""
         return {}
 
+    @staticmethod
+    def check_trainer(config: Any, trainer: Any) -> None:
+        """Refuse, before any work, a setting of the method that cannot train under ``trainer`` (its
+        :class:`~clbench.config.TrainerConfig`): raise :class:`~clbench.errors.ConfigError` naming the keys."""
+
     # ----------------------------------------------------------------------------- lifecycle hooks
     @property
     def num_seen(self) -> int:
@@ -136,6 +162,10 @@ class Method(nn.Module):
         """Train; then, with a memory whose sampler works after a task, update the memory."""
         return [Phase("train", epochs), *self.memory_phase()]
 
+    def draws_replay(self, task: Task) -> bool:
+        """Whether the training steps of ``task`` draw from the memory (once it holds something)."""
+        return bool(self.replay_draws)
+
     def memory_phase(self) -> list[Phase]:
         """The ``memory`` phase of a memory filled after each task (none for the reservoir or without a memory)."""
         if self.memory is None or self.memory.sampler in STEP_SAMPLERS:
@@ -152,6 +182,11 @@ class Method(nn.Module):
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
         """Optimizer groups; a group may carry its own ``lr`` and ``weight_decay``."""
         raise NotImplementedError
+
+    def check_steps(self, task: Task, phase: Phase, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a training phase whose steps cannot train, before the first one (raise
+        :class:`~clbench.errors.ConfigError`): what only the method's state after earlier tasks decides (EWC's
+        stability bound on its Fisher)."""
 
     def before_epoch(self, task: Task, samples: int, batch_size: int) -> None:
         """Called before each epoch (also one resumed part-way) with its number of training samples and the batch

@@ -2,27 +2,35 @@
 wuyuebupt/LargeScaleIncrementalLearning@7f687a3): full fine-tuning with distillation on the task's data and a herding
 memory, then a two-parameter bias layer on the newest classes' logits.
 
-Rules (the official code's; the ViT form is clbench's), for task t with n old and m new classes:
+Rules (the official code's; the ViT form is clbench's), for task t with n old and m new classes and a memory of K
+images in all:
 
 - Stage 1 (phase ``train``, ``Phase(data="task+memory")``: the task's images and the memory's shuffled into the same
   batches, imagenet_main.py L442-448): L = λ·L_d + (1 − λ)·L_c with λ = n / (n + m) (code: itera/(itera+1),
   resnet.py L627-632).
   L_c = cross-entropy over every seen class (L603-604). L_d = −Σ softmax(ô/T) log softmax(o/T) over the **old**
   classes (one softmax over all of them), T = 2, no T² (L606-609; :func:`clbench.methods.lwf.distillation`), between
-  the teacher's logits ô and the current model's o. The teacher is a frozen copy of the model at the task's start
-  (:class:`clbench.methods.lwf.Teacher`: backbone and old heads), on the same augmented batch; its newest block
-  (task t − 1's classes) is first corrected with that task's (β, γ) (L560-578): for t ≥ 2, since task 0 has no bias
-  stage (its (β, γ) stay (1, 0)). The first task (nothing old, empty memory) trains on its data with L_c alone.
-- Memory (imagenet_main.py L493-535): herding on the model's pre-logit features after stage 1
-  (``memory_sampler = "herding"``, :func:`clbench.memory.herding`), and a held-out validation share
-  (``memory_holdout`` = 0.1: ⌊0.1 · quota⌋ images of each class, at least one; the official ⌊0.1 · nb_proto⌋): a new
-  class's validation images are drawn at random at the task's start and left out of its training; stage 1 never trains
-  on them, nor on the old classes' ones.
-- Stage 2 (phase ``bias``, ``Phase(data="validation")``: the held-out images of every seen class, t ≥ 1): only
-  (β_t, γ_t) train (the backbone and the heads are out of the optimizer and run in eval mode without gradients; the
-  official code's training mode here is not copied): q = β_t·o + γ_t on the newest task's logits, the others
-  unchanged; loss = CE over every seen class + ``gamma_penalty``·γ_t²/2 (0.1, L633-637, L661-662); β = 1, γ = 0
-  initially (L587-595).
+  the teacher's logits ô and the current model's o. The teacher is the model at the task's start
+  (:class:`clbench.methods.lwf.Teacher`: backbone and old heads); ``teacher=online`` evaluates it on the student's own
+  augmented batch, as the official code's graph does; ``recorded`` (clbench's default, one forward a step instead of
+  two) records its logits once on stage 1's images without augmentation. Its newest block (task t − 1's classes) is
+  first corrected with that task's (β, γ) (L560-578): for t ≥ 2, since task 0 has no bias stage (its (β, γ) stay
+  (1, 0)). The first task (nothing old, empty memory) trains on its data with L_c alone.
+- Validation (imagenet_main.py L439, L450-454): the bias stage of task t takes ⌊0.1 · K / n⌋ images of every class,
+  old and new (at least one, clbench's: the code's 0 for a memory under 10 images a class would leave nothing to fit):
+  the old classes' from the memory, the new classes' drawn at random at the task's start and left out of its training
+  (the first task holds out ⌊0.1 · K / m⌋ of its own classes, what the second task's bias stage takes of them). Stage 1
+  never trains on a validation image.
+- Stage 2 (phase ``bias``, ``Phase(data="validation")``, t ≥ 1): only (β_t, γ_t) train (the backbone and the heads are
+  out of the optimizer and run in eval mode without gradients; the official code's training mode here is not copied):
+  q = β_t·o + γ_t on the newest task's logits, the others unchanged; loss = CE over every seen class +
+  ``gamma_penalty``·γ_t²/2 (0.1, L633-637, L661-662); β = 1, γ = 0 initially (L587-595).
+- Memory (phase ``memory``, after the bias stage, as the code's exemplar management after each step,
+  imagenet_main.py L480-535): every seen class keeps ⌈K / (n + m)⌉ − ⌈0.1 · K / (n + m)⌉ training images chosen by
+  herding on the pre-logit features of the model after stage 1 (``memory_sampler = "herding"``,
+  :func:`clbench.memory.herding`): a new class among its task's images, an old class among its own images in memory
+  (``memory.reselect=true``, conf/method/bic.yaml; false keeps the first ones chosen, iCaRL's rule), and the first
+  ⌊0.1 · K / (n + m)⌋ of its validation images.
 - Prediction: CIL = argmax over [old logits, β_t·newest + γ_t] with the latest task's (β, γ) only (L505-521;
   :meth:`seen_logits`); earlier (β, γ) only shape distillation targets. TIL = the task's own head, uncorrected (an
   affine map with β > 0 leaves the argmax within a block unchanged).
@@ -31,12 +39,12 @@ Rules (the official code's; the ViT form is clbench's), for task t with n old an
 checkpoint fills them; :meth:`artifacts` saves them (``bias.beta.<t>``, ``bias.gamma.<t>``) so clbench-eval reproduces
 the predictions. The teacher exists during a task only (buffers, in the checkpoint mid-task, not in the artifacts).
 
-With ``data.store=stream``, stage 1 streams the memory's images from the on-disk cache with the task's (each was
-stored with its position in the training data), so both stores train on the same batches.
+With ``data.store=stream``, stage 1 and the bias stage stream the memory's images from the on-disk cache with the
+task's (each was stored with its position in the training data), so both stores train on the same batches.
 
 Departures: the validation images are held out task by task (a class's when it arrives), not for every class of the
-benchmark before the first task (utils_imagenet.py L39-79). The recipe is clbench's (conf/method/bic.yaml), not
-BiC's ResNet-18 SGD one.
+benchmark before the first task (utils_imagenet.py L39-79); at least one a class. The recipe is clbench's
+(conf/method/bic.yaml), not BiC's ResNet-18 SGD one.
 """
 
 from __future__ import annotations
@@ -61,7 +69,7 @@ class BiCConfig:
     gamma_penalty: float = 0.1  # weight of γ²/2 in the bias stage's loss (official: 0.1)
     bias_epochs: int | None = None  # epochs of the bias stage over the memory (null: 2 x trainer.epochs, _BIAS_EPOCHS)
     bias_lr: float | None = None  # the bias stage's learning rate (null: trainer.lr)
-    teacher: str = "recorded"  # recorded: the teacher's logits recorded once a task | online: on each augmented batch
+    teacher: str = "recorded"  # recorded: logits recorded once a task | online: on each augmented batch (official)
 
     def __post_init__(self) -> None:
         check_temperature(self.T)
@@ -100,7 +108,7 @@ class BiC(Distills, Method):
     Config = BiCConfig
     memory_sampler: ClassVar[str | None] = "herding"
     needs_memory: ClassVar[bool] = True
-    memory_holdout: ClassVar[float] = 0.1  # of each class's memory share, held out for the bias stage (official)
+    memory_holdout: ClassVar[float] = 0.1  # of each class's memory share, held out for the bias stage (official nb_val)
 
     def __init__(self, backbone, benchmark: Benchmark, config: BiCConfig) -> None:
         super().__init__(backbone, benchmark, config)
@@ -129,11 +137,12 @@ class BiC(Distills, Method):
         self.requires_grad_(True)
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
-        """Stage 1 (on the task's data and the memory), the memory update, then (from task 1) the bias stage."""
+        """Stage 1 (on the task's data and the memory), from task 1 the bias stage (on the validation images of every
+        seen class), then the memory update (the official code's order)."""
         bias = self.config.bias_epochs if self.config.bias_epochs is not None else 2 * epochs
         data = "task+memory" if task.id else "task"
-        out = [*self.record_phase(data), Phase("train", epochs, data=data), *self.memory_phase()]
-        return [*out, Phase("bias", bias, data="validation")] if task.id else out
+        stage2 = [Phase("bias", bias, data="validation")] if task.id else []
+        return [*self.record_phase(data), Phase("train", epochs, data=data), *stage2, *self.memory_phase()]
 
     def train(self, mode: bool = True) -> BiC:
         """As any module; in the bias stage the backbone and heads stay in eval mode (their logits are the test's)."""
@@ -227,6 +236,6 @@ class BiC(Distills, Method):
             "bic": {
                 "beta": [float(b.detach()) for b in self.beta],
                 "gamma": [float(g.detach()) for g in self.gamma],
-                "bias_fit_on": "the memory's held-out validation images (never trained on by the model)",
+                "bias_fit_on": "the held-out validation images of every seen class (never trained on by the model)",
             }
         }

@@ -34,8 +34,8 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.base import Logs
-from clbench.methods.prompting import HEAD_INITS, PromptMethod, log, within_depth
+from clbench.methods.base import HEAD_INITS, Logs
+from clbench.methods.prompting import PromptMethod, log, within_depth
 
 
 @dataclass

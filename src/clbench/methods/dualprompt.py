@@ -37,7 +37,8 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.prompting import HEAD_INITS, PromptMethod, cosine, prompt_init, top_k_by_key, within_depth
+from clbench.methods.base import HEAD_INITS
+from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key, within_depth
 
 
 @dataclass

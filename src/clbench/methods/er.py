@@ -7,18 +7,25 @@ like the current batch) go through the model together; the loss is the mean cros
 mean of two means); after the optimizer step the current batch is offered to the reservoir (its un-augmented images
 and labels). ``loss_scope=seen``: every row over the seen classes (mammoth's rule, over seen rather than all classes);
 ``task``: the current rows over their task's classes, the memory rows over the seen classes (L2P's code with
-``replay_no_mask``).
+``replay_no_mask``). Either way every seen head trains: the replayed rows' cross-entropy reaches the earlier tasks'
+heads, as it reaches the one head over all classes of mammoth's and L2P's codes.
+
+Departures from mammoth's ``er.py``, stated: the loss covers the seen classes, not every class of the benchmark
+(clbench's heads grow); an epoch's last, smaller batch is joined by proportionally fewer memory images (mammoth draws
+``minibatch_size`` whatever the batch), so that every rank of a multi-process run holds the same share of current and
+memory rows and the averaged gradients are the whole batch's; a memory holding fewer images than a draw asks for
+repeats some (mammoth returns fewer rows), so that every step has one shape (a CUDA graph replays it).
 """
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from clbench.data import Task
-from clbench.methods.base import Logs, Replay
+from clbench.methods.base import Logs, Phase, Replay
 from clbench.methods.finetune import Finetune
 
 
@@ -26,6 +33,13 @@ class ER(Finetune):
     memory_sampler: ClassVar[str | None] = "reservoir"
     needs_memory: ClassVar[bool] = True
     replay_draws: ClassVar[int] = 1
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        """The backbone (unless frozen) and every seen head, whatever ``loss_scope``: the replayed rows train the
+        earlier heads (finetune's ``loss_scope=task`` keeps them out)."""
+        self.backbone.requires_grad_(not self.config.freeze_backbone)
+        self.heads.requires_grad_(True)
+        return [{"params": [p for p in self.parameters() if p.requires_grad]}]
 
     def training_loss(
         self, x: torch.Tensor, y: torch.Tensor, task: Task, replay: tuple[Replay, ...] = ()

@@ -30,8 +30,23 @@ classes (``loss_scope=seen``) or the task's head (``loss_scope=task``). Estimato
 - ``expected``: Σ_{c∈O} p_c g_c², the exact true Fisher (GMvandeVen's default ``all``): |O| backwards per example.
 - ``mammoth``: p_y g_y² (mammoth's ewc_on.py L50-58), for mammoth-style runs.
 
-Normalisation by N, the number of examples (not GMvandeVen's n−1 nor FACIL's batches × batch size). The sums live in
-device tensors handed to the loop by :meth:`EWC.observations`, so a multi-process run adds them up over its ranks.
+Normalisation (``fisher_divisor``): by N, the number of examples (``examples``; not GMvandeVen's n−1 nor FACIL's
+batches × batch size), or by ⌈N/B⌉·B, the batches times the batch size (``mammoth``: ewc_on.py L60,
+``len(train_loader) * batch_size``; 0.5% smaller at real task sizes). The sums live in device tensors handed to the loop
+by :meth:`EWC.observations`, so a multi-process run adds them up over its ranks.
+
+Stability (:meth:`EWC.check_steps`). The penalty s λ r Σ_i A_i (θ_i − μ_i)² (r = γ online, 1 offline) has the diagonal
+curvature h_i = 2 s λ r A_i, to which SGD's coupled weight decay adds wd. Heavy-ball SGD (torch's: v ← μ v + g,
+θ ← θ − η v) on a quadratic of curvature h is the recursion e_{k+1} = (1 + μ − η h) e_k − μ e_{k−1}, whose roots stay
+inside the unit circle iff 0 < η h < 2 (1 + μ) (μ < 1); the task's loss only adds positive curvature (its Hessian is
+positive semi-definite near a minimum, so the largest eigenvalue of the sum is at least the penalty's). So a step of
+learning rate η (the group's, with the batch scaling: every schedule's factor is at most 1) diverges along the
+stiffest anchored parameter once η (2 s λ r max A + wd) ≥ 2 (1 + μ); gradient clipping then only bounds the
+oscillation, and the clipped steps are the penalty's, not the task's. The check runs before every training phase of
+a task that has an anchor (the Fisher is known only after a task) and refuses the phase with the largest λ and η that
+would train. Adam and AdamW normalise each coordinate's step (≈ η whatever the curvature): no such bound; their runs
+are checked for a penalty weight s λ r that fp32 cannot hold (the configuration alone decides that, before any work:
+``method.lam=1e300``).
 
 Parameters: every trainable parameter that has an anchor: the backbone (all of it: patch embedding, class token,
 position embedding, blocks with their LayerNorms, final norm; unless ``freeze_backbone``) and the heads of past tasks;
@@ -52,8 +67,9 @@ from torch import nn
 from torch.func import functional_call, grad, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from clbench.config import require, require_choice
+from clbench.config import TrainerConfig, require, require_choice
 from clbench.data import Task
+from clbench.errors import ConfigError
 from clbench.methods.base import Logs, Phase
 from clbench.methods.finetune import Finetune, FinetuneConfig
 
@@ -70,11 +86,19 @@ class EWCConfig(FinetuneConfig):
     half: bool = True  # true: (λ/2) Σ F (θ − θ*)² (Kirkpatrick, GMvandeVen) | false: λ Σ F (θ − θ*)² (mammoth)
     fisher: str = "sample"  # sample | true_label | expected | mammoth (see the module docstring)
     fisher_chunk: int = 16  # examples per vmap'd per-example-gradient call (memory: chunk x parameters floats)
+    fisher_divisor: str = "examples"  # examples: F = sums / N | mammoth: sums / (⌈N/B⌉·B), its len(loader) x batch
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(math.isfinite(self.lam) and self.lam >= 0, "method.lam", self.lam, "a finite float >= 0")
         require(math.isfinite(self.gamma) and 0 < self.gamma <= 1, "method.gamma", self.gamma, "a float in (0, 1]")
+        require(
+            self.weight() <= FP32_MAX,
+            "method.lam",
+            self.lam,
+            f"a float whose penalty weight s·λ·γ ({self.weight():.3g} here) fp32 can hold (at most {FP32_MAX:.3g})",
+        )
+        require_choice("method.fisher_divisor", self.fisher_divisor, ("examples", "mammoth"))
         require_choice("method.fisher", self.fisher, ESTIMATORS)
         require(
             isinstance(self.fisher_chunk, int) and self.fisher_chunk >= 1,
@@ -82,6 +106,19 @@ class EWCConfig(FinetuneConfig):
             self.fisher_chunk,
             "an integer >= 1",
         )
+
+    def weight(self) -> float:
+        """s λ r: the factor of Σ A (θ − μ)² in the penalty (s = ½ with ``half``, r = γ online)."""
+        return self.lam * (0.5 if self.half else 1.0) * (self.gamma if self.online else 1.0)
+
+
+FP32_MAX = float(torch.finfo(torch.float32).max)
+FP32_TINY = float(torch.finfo(torch.float32).tiny)
+
+
+def sgd_bound(momentum: float) -> float:
+    """Heavy-ball SGD on a quadratic of curvature h is stable iff η h < 2 (1 + μ) (module docstring)."""
+    return 2 * (1 + momentum)
 
 
 def buffer_name(name: str) -> str:
@@ -172,6 +209,7 @@ class EWC(Finetune):
                 self._add_anchor(f"backbone.{name}", p)
         self.sums: dict[str, torch.Tensor] | None = None  # the Fisher's per-example sums while a task is observed
         self.count: torch.Tensor | None = None
+        self.batch = 1
 
     def _add_anchor(self, name: str, p: torch.Tensor) -> None:
         key = buffer_name(name)
@@ -201,18 +239,62 @@ class EWC(Finetune):
         device = self.backbone.cls_token.device
         self.sums = {n: torch.zeros_like(p, dtype=torch.float32) for n, p in self.anchored(task.id + 1)}
         self.count = torch.zeros((), dtype=torch.float32, device=device)
+        self.batch = 1
 
     # ----------------------------------------------------------------------------- penalty
     def penalty(self, task_id: int) -> torch.Tensor:
         """s λ r (Σ_i A_i (θ_i − μ_i)² + R): s = ½ with ``half``, r = γ online (1 offline); no host sync."""
-        cfg = self.config
         total = self.residual.float()
         for name, p in self.anchored(task_id):
             key = buffer_name(name)
             a, mu = self.importance.get_buffer(key), self.anchor.get_buffer(key)
             total = total + (a * (p.float() - mu).square()).sum()
-        scale = cfg.lam * (0.5 if cfg.half else 1.0) * (cfg.gamma if cfg.online else 1.0)
-        return scale * total
+        return self.config.weight() * total
+
+    @staticmethod
+    def check_trainer(config: EWCConfig, trainer: TrainerConfig) -> None:
+        """Under SGD, refuse a λ whose stability bound no Fisher fp32 resolves could meet: η · 2 s λ r · F < 2 (1 + μ)
+        needs F below fp32's smallest normal number."""
+        if trainer.optimizer != "sgd":
+            return
+        lr = trainer.lr * (trainer.batch_size / trainer.lr_scale_batch if trainer.lr_scale_batch else 1.0)
+        largest = sgd_bound(trainer.momentum) / (lr * 2 * config.weight()) if config.weight() else math.inf
+        require(
+            largest >= FP32_TINY,
+            "method.lam",
+            config.lam,
+            f"a float below {config.lam * largest / FP32_TINY:.3g} with trainer.optimizer=sgd and "
+            f"trainer.lr={trainer.lr}: SGD stays stable only while lr x 2·s·λ·γ x max F < 2 (1 + trainer.momentum), "
+            f"which would need every Fisher value under {largest:.3g}, below what fp32 resolves",
+        )
+
+    @torch.no_grad()
+    def check_steps(self, task: Task, phase: Phase, optimizer: torch.optim.Optimizer) -> None:
+        """SGD's stability bound on the penalty's curvature (module docstring): refuse the phase, before its first
+        step, where η (2 s λ r max A + wd) ≥ 2 (1 + μ) for a group's anchored parameters."""
+        if not isinstance(optimizer, torch.optim.SGD) or task.id == 0:
+            return
+        importance = {id(p): self.importance.get_buffer(buffer_name(n)) for n, p in self.anchored(task.id)}
+        weight = self.config.weight()
+        for group in optimizer.param_groups:
+            fishers = [importance[id(p)] for p in group["params"] if id(p) in importance]
+            if not fishers:
+                continue
+            top = max(float(a.max()) for a in fishers)
+            lr, momentum, decay = float(group["lr"]), float(group["momentum"]), float(group["weight_decay"])
+            curvature = 2 * weight * top + decay
+            bound = sgd_bound(momentum)
+            if lr * curvature < bound:
+                continue
+            raise ConfigError(
+                f"EWC cannot train task {task.id} with SGD: its penalty's curvature 2·s·λ·γ·max F + weight decay = "
+                f"{curvature:.3g} (method.lam={self.config.lam:g}, max F={top:.3g} after task {task.id - 1}) times "
+                f"the learning rate {lr:.3g} (trainer.lr with its batch scaling) is {lr * curvature:.3g}, at or beyond "
+                f"SGD's stability bound 2 (1 + trainer.momentum) = {bound:.3g}: the steps along the stiffest anchored "
+                f"parameters grow without bound (gradient clipping would only cap them, the task's loss unlearned). "
+                f"Set method.lam below {max(bound / lr - decay, 0) / (2 * top * weight / self.config.lam):.3g} or "
+                f"trainer.lr below {bound / curvature:.3g}."
+            )
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         loss, logs = super().training_loss(x, y, task)
@@ -238,6 +320,15 @@ class EWC(Finetune):
         for name, s in sums.items():
             self.sums[name.removeprefix("method.")] += s
         self.count += len(y)
+        self.batch = max(self.batch, size)  # the observe pass's batch size (its first batch is a whole one)
+
+    def divisor(self) -> torch.Tensor:
+        """What the Fisher's sums are divided by: N, or mammoth's ⌈N/B⌉·B."""
+        assert self.count is not None
+        count = self.count.clamp(min=1)
+        if self.config.fisher_divisor == "examples":
+            return count
+        return torch.ceil(count / self.batch) * self.batch
 
     def observations(self) -> list[torch.Tensor]:
         if self.sums is None or self.count is None:
@@ -255,7 +346,7 @@ class EWC(Finetune):
             a, mu = self.importance.get_buffer(key), self.anchor.get_buffer(key)
             theta = p.detach().float()
             if self.sums is not None and self.count is not None:
-                fisher = self.sums[name] / self.count.clamp(min=1)
+                fisher = self.sums[name] / self.divisor()
             else:
                 fisher = torch.zeros_like(a)
             if cfg.online:

@@ -21,6 +21,17 @@ Options where the paper and its two official codes differ:
 - ``batchwise_prompt=true`` (both codes): every sample of a batch uses the batch's N most-selected prompts (ties
   to the smaller prompt index, as the JAX code's sorted unique + top_k; the PyTorch code's torch.topk leaves ties
   unordered), at train and test, so a prediction depends on its batch. Off by default; recorded in results.json.
+
+L2P-R (a rehearsal memory, ``memory.per_class``; google-research/l2p@dd8836e train_continual.py L696-760 and
+libml/continual_buffer.py): the memory's ``uniform`` sampler keeps a uniform subset of each task's first epoch, stored
+as the step meets it and before it draws; each step joins as many replayed rows as its batch, whose cross-entropy is
+unmasked, and trains every head its loss reaches. ``replay_scope=seen`` (default): the replayed rows over the seen
+classes; ``all``: over every class of the benchmark, the code's one head over all classes with ``replay_no_mask``
+(every task's head exists from the start, the future classes' columns pushed down by the replayed rows, and read by
+``trainer.cil_classes=all``). ``replay_first_task=true`` (default) replays as soon as the memory holds an image;
+false only from the second task on (the code's ``task_id > 0``), the first only filling it. ``memory.view=augmented``
+replays the view each image was stored in (the code's buffer holds the preprocessed batch) instead of augmenting the
+stored image again at every draw.
 """
 
 from __future__ import annotations
@@ -35,7 +46,8 @@ from torch import nn
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
-from clbench.methods.prompting import HEAD_INITS, PromptMethod, cosine, prompt_init, top_k_by_key
+from clbench.methods.base import HEAD_INITS
+from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key
 
 
 @dataclass
@@ -53,6 +65,8 @@ class L2PConfig:
     batchwise_prompt: bool = False  # the codes' per-batch majority vote (predictions depend on the batch)
     prompt_init: str = "uniform"  # uniform: U(-1, 1) (PyTorch code) | small: U(0, 0.01) (JAX code)
     head_init: str = "default"  # default: nn.Linear's | trunc_normal: N(0, 0.02) (PyTorch ports) | zeros (JAX code)
+    replay_scope: str = "seen"  # L2P-R's replayed rows: CE over the seen classes | all: every class (replay_no_mask)
+    replay_first_task: bool = True  # L2P-R replays from the first task | false: from the second (the code's)
 
     def __post_init__(self) -> None:
         require(self.pool_size >= 1, "method.pool_size", self.pool_size, "an integer >= 1")
@@ -63,6 +77,7 @@ class L2PConfig:
         require_choice("method.diversify", self.diversify, ("none", "frequency", "task_slots"))
         require_choice("method.prompt_init", self.prompt_init, ("uniform", "small"))
         require_choice("method.head_init", self.head_init, HEAD_INITS)
+        require_choice("method.replay_scope", self.replay_scope, ("seen", "all"))
 
 
 class L2P(PromptMethod):
@@ -84,9 +99,60 @@ class L2P(PromptMethod):
         m, length, dim = config.pool_size, config.prompt_length, backbone.embed_dim
         self.prompts = nn.Parameter(prompt_init(config.prompt_init, m, length, dim, device=backbone.cls_token.device))
         self.keys = nn.Parameter(prompt_init(config.prompt_init, m, dim, device=backbone.cls_token.device))
+        # replay_scope=all: the one head over every class of the benchmark, a head a task from the start; a task's
+        # joins ``heads`` when the task begins (the same module: its weights are the ones trained so far)
+        self.whole: nn.ModuleList | None = None
+        if config.replay_scope == "all":
+            self.whole = nn.ModuleList(self.new_head(task.num_classes) for task in benchmark.tasks)
 
     def prompt_parameters(self) -> dict[str, nn.Parameter]:
         return {"prompts": self.prompts, "keys": self.keys}
+
+    # ----------------------------------------------------------------------------- L2P-R's heads
+    def add_head(self, num_classes: int) -> nn.Linear:
+        """The next task's head: with ``replay_scope=all`` the one that exists from the start."""
+        if self.whole is None:
+            return super().add_head(num_classes)
+        head = self.whole[self.num_seen]
+        self.heads.append(head)
+        return head
+
+    def untrained_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """With ``replay_scope=all`` the future tasks' heads as the replayed rows left them (the code's columns)."""
+        if self.whole is None:
+            return super().untrained_logits(feats)
+        return torch.cat([feats.new_zeros(len(feats), 0), *(h(feats) for h in self.whole[self.num_seen :])], dim=1)
+
+    def training_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """Every seen class's logits; with a memory and ``replay_scope=all`` every class's."""
+        logits = self.seen_logits(feats)
+        if self.memory is None or self.whole is None:
+            return logits
+        return torch.cat([logits, self.untrained_logits(feats).to(logits.dtype)], dim=1)
+
+    def trained_heads(self, task: Task) -> list[nn.Linear]:
+        """With a memory, every head the replayed rows reach (seen, or with ``replay_scope=all`` every one); without,
+        the task's own."""
+        if self.memory is None:
+            return super().trained_heads(task)
+        return list(self.whole) if self.whole is not None else list(self.heads)
+
+    def draws_replay(self, task: Task) -> bool:
+        return self.config.replay_first_task or task.id > 0
+
+    def artifacts(self) -> dict[str, torch.Tensor]:
+        """With ``replay_scope=all``, also the future tasks' heads (the CIL over every class reads them)."""
+        out = super().artifacts()
+        for t in range(self.num_seen, len(self.whole) if self.whole is not None else 0):
+            out |= {f"whole.{t}.{k}": v.detach().clone() for k, v in self.whole[t].state_dict().items()}
+        return out
+
+    @torch.no_grad()
+    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().load_artifacts(tensors)
+        for t in range(self.num_seen, len(self.whole) if self.whole is not None else 0):
+            self.whole[t].load_state_dict({k.removeprefix(f"whole.{t}."): v for k, v in tensors.items() if
+                                           k.startswith(f"whole.{t}.")})  # fmt: skip
 
     # ----------------------------------------------------------------------------- selection
     def select(self, q: torch.Tensor, task: Task | None) -> torch.Tensor:

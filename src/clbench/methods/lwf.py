@@ -3,22 +3,32 @@ distilling the outputs that the network had at the task's start on the new task'
 
 Rules (the paper's Alg. 1 as the reference codes below implement it; the rest clbench's choice):
 
-- Teacher: a frozen deep copy of the backbone and the old heads, taken at the start of every task t > 0 and evaluated
-  under no_grad on the **same augmented batch** as the student ("online" teacher, as PackNet's, HAT's and FACIL's
-  reference codes do [code:arunmallya/packnet@de4ff7e src/lwf.py; joansj/hat@6fd0b9d src/approaches/lwf.py
-  L99-106; mmasana/FACIL@e09d2c8 src/approach/lwf.py L120-146]). The official code records the responses once before
-  training on un-augmented images [code:lizhitwo/LearningWithoutForgetting@795176d snippets/PASCALkeeporig.m L161,
-  L182], which mismatches teacher and student inputs under augmentation: not copied.
+- Teacher: the backbone and old heads as they are at the start of every task t > 0. ``teacher=recorded`` (default):
+  their logits on the task's training images are recorded once, before it trains, without augmentation (the test
+  transform), and read back by each row's position: the paper's Y_o = CNN(X_n, θ_s, θ_o) and the official code's
+  procedure [code:lizhitwo/LearningWithoutForgetting@795176d snippets/PASCALkeeporig.m L161, L182], one forward a
+  step; the student then sees augmented images while its targets are the clean images'. ``teacher=online``: a frozen
+  deep copy evaluated under no_grad on the student's own (augmented, mixed) batch, as PackNet's, HAT's and FACIL's
+  reference codes do [code:arunmallya/packnet@de4ff7e src/lwf.py; joansj/hat@6fd0b9d src/approaches/lwf.py L99-106;
+  mmasana/FACIL@e09d2c8 src/approach/lwf.py L120-146], a second forward a step: before the first update the teacher
+  is the student on the same input, and the distillation's gradient is exactly zero. Mixup/CutMix with a recorded
+  teacher is refused (the student would see a mix of two images, its targets the clean one's): use ``online``.
 - Distillation, no T² factor (official vl_nnsoftmaxdiff.m L74-96):
   KD(z_old, z) = −Σ_c softmax(z_old/T)_c log softmax(z/T)_c, averaged over the batch, whose gradient in z is
   (softmax(z/T) − softmax(z_old/T)) / T. ``scope``: ``til`` sums one KD per old head (original, HAT, PackNet);
   ``cil`` takes one softmax over the concatenated old heads (FACIL, mammoth).
 - Loss: L = L_new + λ KD (λ = ``lam``), L_new finetune's cross-entropy (``loss_scope``: ``task`` = the new head's
-  classes, the original and FACIL; ``seen`` = all seen classes, mammoth).
-- Warm-up (official: the ``_lock`` stage before ``_lockkeep``; PackNet: ``ft_shared_after``): a phase ``warmup`` of
-  ``warmup_epochs`` in which only the new head trains (L_new alone: the old heads' outputs cannot change). The backbone
-  and old heads are left out of the optimizer and do not require grad, so weight decay and momentum cannot move them
-  (PackNet's zeroed gradients do not prevent that). Then phase ``train``: everything trains.
+  classes, the original and FACIL; ``seen`` = all seen classes, mammoth), + ``wd_reg`` Σ θ² over every parameter of
+  the backbone and heads (mammoth's ``wd_reg`` term; 0 by default: clbench leaves weight decay to the optimizer).
+- Warm-up (official: the ``_lock`` stage before ``_lockkeep``; PackNet: ``ft_shared_after``; mammoth's
+  ``begin_task``): a phase ``warmup`` of ``warmup_epochs`` in which only the new head trains, on the cross-entropy over
+  its own classes whatever ``loss_scope`` (mammoth's warm-up masks the logits to the new classes). The backbone and old
+  heads are left out of the optimizer and do not require grad, so weight decay and momentum cannot move them (PackNet's
+  zeroed gradients do not prevent that). Then phase ``train``: everything trains.
+
+mammoth's LwF [code:aimagelab/mammoth@cb9a36d models/lwf.py] is ``scope=cil loss_scope=seen teacher=recorded`` with
+its ``wd_reg``, λ = its alpha, T = 2 and plain SGD; its recorded teacher sees un-normalised images (a defect not
+copied).
 
 The teacher is a submodule ``teacher`` whose parameters were turned into buffers: ``parameters()`` (the optimizer,
 ``no_weight_decay_ids``, the trainable parameter count) does not see it, ``state_dict()`` (the checkpoint) carries it,
@@ -37,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from clbench.config import require, require_choice
+from clbench.config import TrainerConfig, require, require_choice
 from clbench.data import Task
 from clbench.methods.base import Logs, Phase
 from clbench.methods.finetune import Finetune, FinetuneConfig
@@ -53,11 +63,13 @@ class LwFConfig(FinetuneConfig):
     scope: str = "til"  # til: one KD per old head | cil: one KD over all old classes
     warmup_epochs: int = 1  # epochs of the new-head-only phase before every task's training
     teacher: str = "recorded"  # recorded: logits recorded once a task (the paper's) | online: on each augmented batch
+    wd_reg: float = 0.0  # mammoth's wd_reg: + wd_reg x the sum of every squared parameter, in the train phase
 
     def __post_init__(self) -> None:
         super().__post_init__()
         require(math.isfinite(self.lam) and self.lam >= 0, "method.lam", self.lam, "a finite float >= 0")
         check_temperature(self.T)
+        require(math.isfinite(self.wd_reg) and self.wd_reg >= 0, "method.wd_reg", self.wd_reg, "a finite float >= 0")
         require_choice("method.scope", self.scope, ("til", "cil"))
         require_choice("method.teacher", self.teacher, ("recorded", "online"))
         require(
@@ -190,10 +202,22 @@ class Distills:
 class LwF(Distills, Finetune):
     """``teacher=recorded`` (default): the old heads' responses are recorded once, before the task trains, on its
     images without augmentation (the paper's Alg. 1 and official code: Y_o = CNN(X_n, θ_s, θ_o)), and the student is
-    distilled towards them while it sees augmented images. ``online``: the frozen copy runs on each augmented batch
-    (PackNet's, HAT's and FACIL's codes)."""
+    distilled towards them while it sees augmented images. ``online``: the frozen copy runs on the student's own
+    (augmented, mixed) batch (PackNet's, HAT's and FACIL's codes)."""
 
     Config = LwFConfig
+
+    @staticmethod
+    def check_trainer(config: LwFConfig, trainer: TrainerConfig) -> None:
+        """Mixup/CutMix only with the online teacher: a recorded one gives the clean image's targets to a student that
+        sees a mix of two images."""
+        require(
+            config.teacher == "online" or not (trainer.mixup or trainer.cutmix),
+            "method.teacher",
+            config.teacher,
+            f"online with trainer.mixup={trainer.mixup} / trainer.cutmix={trainer.cutmix} (the teacher then sees the "
+            "student's own mixed images), or no mixing",
+        )
 
     def __init__(self, backbone, benchmark, config: LwFConfig) -> None:
         super().__init__(backbone, benchmark, config)
@@ -226,12 +250,17 @@ class LwF(Distills, Finetune):
         self, x: torch.Tensor, y: torch.Tensor, task: Task, ids: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, Logs]:
         feats = self.features(x, task.id)
-        if self.config.loss_scope == "task":
+        if self.config.loss_scope == "task" or self.stage == "warmup":  # the warm-up: the new head's classes only
             new = self.task_loss(self.heads[task.id](feats), y, task)
         else:
             new = F.cross_entropy(self.seen_logits(feats), y)
-        if task.id == 0 or self.stage == "warmup":
-            return new, {}  # the first task, or the warm-up: nothing the distillation could change
+        if self.stage == "warmup":
+            return new, {}  # only the new head trains: nothing the distillation or wd_reg could change
+        if self.config.wd_reg:
+            squares = [p.float().square().sum() for p in (*self.backbone.parameters(), *self.heads.parameters())]
+            new = new + self.config.wd_reg * torch.stack(squares).sum()
+        if task.id == 0:
+            return new, {}  # nothing old to distil
         old = self.teacher_targets(x, task, ids).split([t.num_classes for t in self.tasks[: task.id]], dim=1)
         student = [self.heads[k](feats) for k in range(task.id)]
         if self.config.scope == "cil":

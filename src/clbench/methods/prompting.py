@@ -8,8 +8,10 @@
 - Prefix tuning (:class:`PrefixAttention`): prompts prepended to the keys and values of a block's attention, after
   their projection, as DualPrompt's and CODA-Prompt's official codes attach them.
 - Training: cross-entropy over the current task's classes (the other seen classes' logits at -inf); the backbone never
-  changes; the prompt parameters and the current head train with a fresh optimizer each task.
-- Heads start as ``method.head_init`` says (:func:`init_head`): nn.Linear's default, or one official code's.
+  changes; the prompt parameters and the current head (L2P-R: every head its replayed rows reach) train with a fresh
+  optimizer each task.
+- Heads start as ``method.head_init`` says (:func:`clbench.methods.base.init_head`): nn.Linear's default, or one
+  official code's.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from clbench.comparable import method_name
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.attention import head_merge, head_split, split_heads
-from clbench.methods.base import Logs, Method, Phase, Replay
+from clbench.methods.base import Logs, Method, Phase, Replay, init_head
 
 log = logging.getLogger(__name__)
 
@@ -39,23 +41,6 @@ def prompt_init(kind: str, *shape: int, device: torch.device) -> torch.Tensor:
     default uniform init in the official JAX code)."""
     low, high = (-1.0, 1.0) if kind == "uniform" else (0.0, 0.01)
     return torch.empty(*shape, device=device).uniform_(low, high)
-
-
-HEAD_INITS = ("default", "trunc_normal", "zeros")
-
-
-def init_head(head: nn.Linear, kind: str) -> None:
-    """A head's first weights: ``default`` keeps nn.Linear's (U(+-1/sqrt(D)) weight and bias: CODA-Prompt's code),
-    ``trunc_normal`` N(0, 0.02) truncated at +-2 and a zero bias (timm's ViT init in the PyTorch ports of L2P and
-    DualPrompt), ``zeros`` weight and bias (the JAX code's ``kernel_init=zeros``)."""
-    if kind == "default":
-        return
-    with torch.no_grad():
-        if kind == "trunc_normal":
-            nn.init.trunc_normal_(head.weight, std=0.02)
-        else:
-            head.weight.zero_()
-        head.bias.zero_()
 
 
 def count_selections(chosen: torch.Tensor, pool_size: int) -> torch.Tensor:
@@ -211,13 +196,13 @@ class PromptMethod(Method):
         self, x: torch.Tensor, y: torch.Tensor, task: Task, replay: tuple[Replay, ...] = ()
     ) -> tuple[torch.Tensor, Logs]:
         """Cross-entropy over the current task's classes + ``pull`` x the key-pull term of the chosen prompts. With a
-        memory (L2P-R), the replayed rows join the batch, their cross-entropy over every seen class (the official
-        code's ``replay_no_mask``): the mean over all rows."""
+        memory (L2P-R), the replayed rows join the batch, their cross-entropy over every class of
+        :meth:`training_logits` (the official code's ``replay_no_mask``): the mean over all rows."""
         rows = torch.cat([x, *(r.x for r in replay)]) if replay else x
         q = self.query(rows)
         chosen = self.select(q, task)
         self.record(chosen[: len(y)], task.id)
-        logits = self.seen_logits(self.prompted_features(rows, chosen))
+        logits = self.training_logits(self.prompted_features(rows, chosen))
         ce = self.current_task_ce(logits[: len(y)], y, task)
         if replay:
             memory_y = torch.cat([r.y for r in replay])
@@ -226,11 +211,20 @@ class PromptMethod(Method):
         pull = pull_loss(q, self.keys, chosen)
         return ce + self.config.pull * pull, {"pull": pull.detach()}
 
+    def training_logits(self, feats: torch.Tensor) -> torch.Tensor:
+        """The logits the training loss reads: every seen class's."""
+        return self.seen_logits(feats)
+
+    def trained_heads(self, task: Task) -> list[nn.Linear]:
+        """The heads a task trains: its own (the other classes' logits are masked: their rows get no gradient)."""
+        return [self.heads[task.id]]
+
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        for t, head in enumerate(self.heads):
-            head.requires_grad_(t == task.id)  # other classes' logits are masked: their rows get no gradient
-        params = [*self.prompt_parameters().values(), *self.heads[task.id].parameters()]
-        return [{"params": params, "weight_decay": 0.0}]
+        trained = {id(head) for head in self.trained_heads(task)}
+        for head in self.heads:
+            head.requires_grad_(id(head) in trained)
+        heads = [p for head in self.trained_heads(task) for p in head.parameters()]
+        return [{"params": [*self.prompt_parameters().values(), *heads], "weight_decay": 0.0}]
 
     @staticmethod
     def current_task_ce(logits: torch.Tensor, y: torch.Tensor, task: Task) -> torch.Tensor:
