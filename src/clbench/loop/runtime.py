@@ -214,6 +214,7 @@ def check_memory_budget(
     method: Method,
     benchmark: Benchmark,
     device: torch.device,
+    *,
     host: bool,
     image_shape: tuple[int, ...],
 ) -> None:
