@@ -154,3 +154,19 @@ def test_the_embedded_default_prints_the_weights_it_loads_once(tmp_path: Path) -
     said = out.stdout + out.stderr + (tmp_path / "clbench.log").read_text()
     assert "from checkpoint" not in said  # timm's own lines: the backbone line names the file
     assert out.stderr.count("vit_micro.glyphs.safetensors") == 1
+
+
+def test_a_run_of_fewer_tasks_is_named_by_what_it_ran(tmp_path: Path) -> None:
+    """`data.num_tasks=3` of a 5-task benchmark: the folder, results.json and the figures' titles say the first 3."""
+    from clbench.results import Results
+    from clbench.tracking import on_what
+
+    out = clbench(*TINY, "trainer.epochs=1", "trainer.eval_random_init=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (folder,) = (tmp_path / "outputs").glob("*/*")
+    assert folder.name.endswith("_finetune_synthetic_tiny_first3")
+    results = json.loads((folder / "results.json").read_text())
+    assert results["benchmark"] == "synthetic_tiny_first3" and len(results["tasks"]) == 3
+    assert on_what(Results({"method": "finetune", "benchmark": results["benchmark"]}, [])) == (
+        "finetune on synthetic_tiny_first3"
+    )

@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from clbench.metrics import summary
 from clbench.report import main
 
 CONFIG: dict[str, Any] = {
@@ -31,11 +33,15 @@ def write_run(
     *,
     seed: int = 0,
     changes: dict[str, Any] | None = None,
-    values: dict[str, float | None] | None = None,
+    values: dict[str, Any] | None = None,
     **top: Any,
 ) -> dict[str, Any]:
-    """Write ``folder/results.json`` of a finished run: CONFIG with dotted ``changes``, every metric 50.0 but for
-    ``values`` (``{"cil.bwt": -3.0}``), and ``top`` over the top-level keys. Returns what it wrote."""
+    """Write ``folder/results.json`` of a finished run of two tasks: CONFIG with dotted ``changes``, ``top`` over the
+    top-level keys, and metrics that are what its matrices give (as clbench writes them). Each scenario's matrix is
+    [[80 + seed, -], [60 + seed, 40 + seed]], made to give ``values`` (``{"cil.final_acc": 55.0}``): final_acc v makes
+    the last row [v, v]; bwt v sets R[1][0] = R[0][0] + v; fwt v sets the accuracy on task 1 before training it to
+    20 + v over a random-init accuracy of 20 (fwt None: no random-init accuracy). A value that is not a number is
+    written into the metrics as it is (a damaged file), NaN too. Returns what it wrote."""
     config = copy.deepcopy(CONFIG) | {"seed": seed}
     for dotted, value in (changes or {}).items():
         *parents, leaf = dotted.split(".")
@@ -43,11 +49,26 @@ def write_run(
         for parent in parents:
             node = node[parent]
         node[leaf] = value
-    metrics: dict[str, dict[str, float | None]] = {s: dict.fromkeys(METRICS, 50.0) for s in ("til", "cil")}
+    matrix = {s: [[80.0 + seed, None], [60.0 + seed, 40.0 + seed]] for s in ("til", "cil")}
+    before = {s: [None, 30.0] for s in ("til", "cil")}
+    random_init: dict[str, list[float] | None] = {s: [10.0, 20.0] for s in ("til", "cil")}
+    damaged = {}
     for dotted, value in (values or {}).items():
         scenario, metric = dotted.split(".")
+        rows = matrix[scenario]
+        if not isinstance(value, float | type(None)) or (value is not None and not math.isfinite(value)):
+            damaged[(scenario, metric)] = value
+        elif metric == "final_acc":
+            rows[1] = [value, value]
+        elif metric == "bwt":
+            rows[1][0] = rows[0][0] + value
+        elif metric == "fwt" and value is None:
+            random_init[scenario] = None
+        elif metric == "fwt":
+            before[scenario], random_init[scenario] = [None, 20.0 + value], [10.0, 20.0]
+    metrics = {s: summary(matrix[s], before[s], random_init[s]) for s in ("til", "cil")}
+    for (scenario, metric), value in damaged.items():
         metrics[scenario][metric] = value
-    matrix = [[80.0 + seed, None], [60.0 + seed, 40.0 + seed]]
     run = {
         "method": "finetune",
         "backbone": "vit_micro",
@@ -55,7 +76,9 @@ def write_run(
         "seed": seed,
         "status": "finished",
         "config": config,
-        "acc_matrix": {"til": matrix, "cil": matrix},
+        "acc_matrix": matrix,
+        "before_task_acc": before,
+        "random_init_acc": random_init,
         "metrics": metrics,
     } | top
     folder.mkdir(parents=True, exist_ok=True)
@@ -234,14 +257,68 @@ def test_a_run_found_twice_counts_once_and_the_duplicate_is_named(
     assert "mr2/0" in out and "duplicate of" in out and "seed 0" in out
 
 
-def test_one_damaged_results_json_is_listed_and_the_rest_reported(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def damaged_sweep(sweep: Path) -> dict[str, str]:
+    """Two sound runs (seeds 0, 1) of the row preset l2p_table1_ft_seq, and beside them runs that must not be averaged,
+    each with the words its line must say: a binary file, a NaN metric, a metric written as a string, a final accuracy
+    of 250 (its matrix unchanged), and one whose final accuracy its own matrix contradicts."""
+    for seed in (0, 1):
+        write_run(sweep / str(seed), seed=seed, values={"cil.final_acc": 60.0 + seed})
+    (sweep / "2").mkdir()
+    (sweep / "2" / "results.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    write_run(sweep / "3", seed=3, values={"cil.final_acc": float("nan")})
+    write_run(sweep / "4", seed=4, values={"til.forgetting": "12.5"})
+    for folder, value in (("5", 250.0), ("6", 55.0)):
+        run = write_run(sweep / folder, seed=int(folder))
+        run["metrics"]["cil"]["final_acc"] = value  # the last row, [60 + seed, 40 + seed], averages 50 + seed
+        (sweep / folder / "results.json").write_text(json.dumps(run))
+    for job in sweep.iterdir():
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(f"- experiment=l2p_table1_ft_seq\n- seed={job.name}\n")
+    return {
+        "2": "unreadable results.json: UnicodeDecodeError",
+        "3": "metrics.cil.final_acc is nan, not a number",
+        "4": "metrics.til.forgetting is '12.5', not a number",
+        "5": "metrics.cil.final_acc is 250.0, outside [0, 100]",
+        "6": "metrics.cil.final_acc is 55.0, but its acc_matrix gives 56.0000",
+    }
+
+
+@pytest.mark.parametrize("table", [None, "l2p_table1"])
+def test_a_damaged_or_contradicted_results_json_is_named_and_the_rest_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str | None
 ) -> None:
-    write_run(tmp_path / "sweep" / "0", seed=0)
-    write_run(tmp_path / "sweep" / "1", seed=1, values={"til.final_acc": "high"})  # type: ignore[dict-item]
-    out, rows = report(tmp_path, capsys)
-    assert rows[0]["runs"] == "1"
-    assert "unreadable results.json: metrics.til.final_acc is 'high', not a number" in out
+    """Each bad file gets a line naming its folder, results.json and what is wrong; the two sound runs are the row."""
+    sweep = tmp_path / "sweep"
+    said = damaged_sweep(sweep)
+    main([str(sweep), "--out", str(tmp_path / "out"), *(["--table", table] if table else [])])
+    out = capsys.readouterr().out
+    for job, why in said.items():
+        (line,) = [x for x in out.splitlines() if x.startswith(f"- {sweep / job} ")]
+        assert "results.json" in line and why in line, line
+    rows = list(csv.DictReader((tmp_path / "out.csv").open()))
+    if table is None:
+        (row,) = rows
+        assert row["runs"] == "2" and float(row["cil_final_acc_mean"]) == pytest.approx(60.5)
+    else:
+        (row,) = [r for r in rows if r["preset"] == "l2p_table1_ft_seq"]
+        assert row["runs"] == "2" and float(row["avg_acc_mean"]) == pytest.approx(60.5)
+
+
+def test_a_paper_table_lists_a_run_without_its_config_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without `config` a run's row cannot be checked: --table names it and leaves it out; the plain report, which
+    groups older files by what their header tells, still averages it."""
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1):
+        run = write_run(sweep / str(seed), seed=seed, values={"cil.final_acc": 60.0 + seed})
+        (sweep / str(seed) / ".hydra").mkdir()
+        (sweep / str(seed) / ".hydra" / "overrides.yaml").write_text(f"- experiment=l2p_table1_ft_seq\n- seed={seed}\n")
+    del run["config"]
+    (sweep / "1" / "results.json").write_text(json.dumps(run))
+    main([str(sweep), "--table", "l2p_table1", "--out", str(tmp_path / "table")])
+    out = capsys.readouterr().out
+    assert f"- {sweep / '1'}: results.json has no `config`" in out
+    (row,) = [r for r in csv.DictReader((tmp_path / "table.csv").open()) if r["preset"] == "l2p_table1_ft_seq"]
+    assert row["runs"] == "1" and float(row["avg_acc_mean"]) == pytest.approx(60.0)
 
 
 def test_without_out_the_report_goes_beside_the_runs_it_reads(
@@ -363,3 +440,49 @@ def test_make_table_refuses_a_bad_readme_or_override_before_any_run(
     said = str(refused.value.code)
     assert said.startswith("clbench-table: ") and ("/nonexistent/README.md" in said or "trainer.epochs" in said)
     assert readme.read_bytes() == before
+
+
+def test_runs_on_one_weights_file_share_a_row_whatever_its_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hub's copy and a local copy of one file (one SHA-256) are one setting; another file is another row."""
+    for seed, (path, sha) in enumerate([(None, "a" * 64), ("/copy/vit.npz", "a" * 64), ("/copy/vit.npz", "b" * 64)]):
+        changes = {"backbone.weights": path, "backbone.pretrained": path is None}
+        recorded = {"weights_file": path or "/hub/model.safetensors", "weights_sha256": sha}
+        write_run(tmp_path / "sweep" / str(seed), seed=seed, changes=changes, backbone_config=recorded)
+    _, rows = report(tmp_path, capsys)
+    assert sorted((r["runs"], r["setting"]) for r in rows) == [
+        ("1", "weights_sha256=bbbbbbbbbbbb"),
+        ("2", "weights_sha256=aaaaaaaaaaaa"),
+    ]
+
+
+def test_rows_of_different_protocols_are_labelled_and_said_to_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DER++ on the first 2 of 5 tasks beside finetune on all 5, and finetune under another class order: the benchmark
+    says how many tasks ran, a protocol column names what sets each row's protocol apart, and a note says the rows
+    must not be compared across protocols. One protocol: no column, no note."""
+    derpp = {"method._target_": "clbench.methods.derpp.DERPP", "data.num_tasks": 2}
+    for job, changes, method in (
+        ("0", derpp, "derpp"),
+        ("1", {"data.num_tasks": None}, "finetune"),
+        ("2", {"data.num_tasks": None, "data.class_order_seed": 7}, "finetune"),
+    ):
+        write_run(
+            tmp_path / "sweep" / job, method=method, changes={"data.tasks": 5, "data.class_order_seed": 1993} | changes
+        )
+    text, rows = report(tmp_path, capsys)
+    expected = [
+        ("derpp", "synthetic_tiny_first2", "class_order_seed=1993, num_tasks=2"),
+        ("finetune", "synthetic_tiny", "class_order_seed=1993, num_tasks=5"),
+        ("finetune", "synthetic_tiny", "class_order_seed=7, num_tasks=5"),
+    ]
+    assert sorted((r["method"], r["benchmark"], r["protocol"]) for r in markdown_rows(text)) == expected
+    assert sorted((r["method"], r["benchmark"], r["protocol"]) for r in rows) == expected
+    assert "compare rows of one protocol only" in text
+    assert "Protocol" in (tmp_path / "report.tex").read_text()
+    (tmp_path / "sweep" / "0" / "results.json").unlink()
+    (tmp_path / "sweep" / "2" / "results.json").unlink()
+    text, rows = report(tmp_path, capsys)
+    assert rows[0]["protocol"] == "" and "protocol" not in text.splitlines()[0]

@@ -27,7 +27,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from clbench import __version__, checkpoint, distributed
 from clbench.backbones import sha256, weights_file
 from clbench.checkpoint import Cursor, Position
-from clbench.comparable import method_name
+from clbench.comparable import benchmark_label, method_name
 from clbench.config import RunConfig, as_dict, full_config
 from clbench.data import Task
 from clbench.errors import Preempted
@@ -89,7 +89,10 @@ def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool,
     if saved is not None:
         position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
-    tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
+    weights = results.header["backbone_config"]["weights_sha256"]
+    tracker = WandbTracker(
+        logger, run_dir, results.header["config"], name=name, run_id=wandb_id, weights_sha256=weights
+    )
     results.header["wandb"] = tracker.identity()
     if main:
         for line in describe(cfg, method, rt, loaded):
@@ -233,7 +236,7 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "clbench_version": __version__,
         "method": method_name(cfg.method_target),
         "backbone": cfg.backbone.name,
-        "benchmark": cfg.data.name,
+        "benchmark": benchmark_label(as_dict(cfg.data)),  # digits_5tasks_first3 where only 3 of its tasks ran
         "seed": cfg.seed,
         "class_order_seed": cfg.data.class_order_seed,
         "method_config": as_dict(cfg.method),
