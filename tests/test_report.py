@@ -346,23 +346,109 @@ def test_a_report_that_cannot_be_written_is_refused_before_reading(
     assert "Cannot write in the output folder /proc/nope" in capsys.readouterr().err
 
 
+SMALL = (  # the embedded default's benchmark (a table's protocol) on a one-block ViT, one epoch a task: seconds a run
+    "backbone.pretrained=false",
+    "backbone.img_size=16",
+    "backbone.kwargs.depth=1",
+    "backbone.kwargs.embed_dim=32",
+    "backbone.kwargs.num_heads=2",
+    "trainer.epochs=1",
+    "trainer.eval_random_init=false",
+)
+
+
 def test_the_method_tables_are_measured_and_written_between_their_markers(tmp_path: Path) -> None:
-    """`make table` on one method (shrunk to a second's run): both tables rewritten from its results.json, the text
-    around them kept."""
+    """`make table` on one method (shrunk to seconds a run by --set): both tables rewritten from its results.json,
+    the text around them kept, and each row naming the overrides that made it."""
     from clbench.method_table import main as table
-    from conftest import TINY
 
     readme = tmp_path / "README.md"
     blocks = [f"<!-- method-table: {s} -->\nold\n<!-- /method-table -->" for s in ("5 tasks", "3 tasks")]
     readme.write_text("intro\n" + "\nbetween\n".join(blocks) + "\nend\n")
-    table(["--readme", str(readme), "--methods", "finetune", "--set", *[o for o in TINY if "num_tasks" not in o]])
+    table(["--readme", str(readme), "--methods", "finetune", "--set", *SMALL])
     text = readme.read_text()
     assert text.startswith("intro\n") and "\nbetween\n" in text and text.endswith("end\n") and "old" not in text
-    rows = [line for line in text.splitlines() if line.startswith("| finetune |")]
+    rows = [line for line in text.splitlines() if line.startswith("| finetune ")]
     assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows) and "Measured by `make table`" in text
+    marks = ", ".join(sorted(SMALL))
+    assert all(r.startswith(f"| finetune ({marks}) |") for r in rows)
     with pytest.raises(SystemExit) as refused:  # an unknown method is refused before any run, the README kept
         table(["--readme", str(readme), "--methods", "nope"])
     assert refused.value.code == 2 and readme.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["method=finetune", "trainer.epochs=1"], "would measure clbench.methods.finetune.Finetune in the er row"),
+        (["data.num_tasks=2", "trainer.epochs=1"], "the 5 tasks table measures (data.num_tasks: null -> 2)"),
+        (
+            ["data=synthetic_tiny"],
+            "changes what the 5 tasks table measures (data.name: digits_5tasks -> synthetic_tiny",
+        ),
+        (["data.class_order_seed=7"], "(data.class_order_seed: 1993 -> 7)"),
+    ],
+)
+def test_make_table_refuses_overrides_that_would_put_another_run_in_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], said: str
+) -> None:
+    """Another method's numbers in a method's row, or another benchmark's (task count, class order) in a table: refused
+    before any run, the README untouched."""
+    from clbench import method_table
+
+    readme = tmp_path / "README.md"
+    before = table_readme(readme, ("er",))
+    monkeypatch.setattr(method_table, "measure", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as refused:
+        method_table.main(["--readme", str(readme), "--methods", "er", "--set", *overrides])
+    assert str(refused.value.code).startswith("clbench-table: --set ") and said in str(refused.value.code)
+    assert readme.read_bytes() == before
+
+
+def test_make_table_marks_a_row_measured_with_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--set trainer.epochs=1 memory.per_class=5`: the er rows carry those overrides beside the method's name."""
+    from clbench import method_table
+
+    readme = tmp_path / "README.md"
+    table_readme(readme, ("er", "derpp"))
+    monkeypatch.setattr(method_table, "measure", lambda m, o, f, e: {"method": m, "values": (9.0, 1.0, 8.0, 2.0, 3)})
+    method_table.main(["--readme", str(readme), "--methods", "er", "--set", "trainer.epochs=1", "memory.per_class=5"])
+    lines = readme.read_text().splitlines()
+    assert lines.count("| er (memory.per_class=5, trainer.epochs=1) | 9.0 | 1.0 | 8.0 | 2.0 | 3 |") == 2
+    assert lines.count("| derpp | 1.0 | 2.0 | 3.0 | 4.0 | 5 |") == 2
+
+
+def test_make_table_writes_no_row_from_a_run_that_is_not_the_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child run whose results.json is another method's, or another config's, than its row's: no row from it."""
+    import subprocess
+
+    from clbench import method_table
+
+    expected = method_table.check_overrides(["er"], [])["5 tasks/er"]["config"]
+
+    def child(wrote: dict[str, Any]) -> Any:
+        def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+            folder = Path(command[-1].split("=", 1)[1])
+            folder.mkdir(parents=True)
+            metrics = {s: {"final_acc": 50.0, "forgetting": 1.0} for s in ("til", "cil")}
+            (folder / "results.json").write_text(json.dumps({"status": "finished", "metrics": metrics, **wrote}))
+            return subprocess.CompletedProcess(command, 0, "", "")
+
+        return run
+
+    finetune = {"method": "finetune", "benchmark": "digits_5tasks", "config": expected}
+    monkeypatch.setattr(method_table.subprocess, "run", child(finetune))
+    row = method_table.measure("er", (), tmp_path / "a", expected)
+    assert "values" not in row and "measured finetune on digits_5tasks, not er on digits_5tasks" in row["error"]
+    other = copy.deepcopy(expected)
+    other["trainer"]["epochs"] = 1
+    monkeypatch.setattr(
+        method_table.subprocess, "run", child({"method": "er", "benchmark": "digits_5tasks", "config": other})
+    )
+    row = method_table.measure("er", (), tmp_path / "b", expected)
+    assert "values" not in row and "config is not its row's (trainer.epochs)" in row["error"]
 
 
 def table_readme(path: Path, methods: tuple[str, ...]) -> bytes:
@@ -388,7 +474,7 @@ def test_make_table_writes_only_finished_rows_and_keeps_every_other(
     readme = tmp_path / "README.md"
     before = table_readme(readme, METHODS)
     outcome = {"simplecil": {"values": (90.0, 0.0, 80.0, 5.0, 7.0)}, "finetune": {"error": "ConfigError"}}
-    monkeypatch.setattr(method_table, "measure", lambda m, o, f: {"method": m, **outcome[m]})
+    monkeypatch.setattr(method_table, "measure", lambda m, o, f, e: {"method": m, **outcome[m]})
     method_table.main(["--readme", str(readme), "--methods", "simplecil"])
     lines = readme.read_text().splitlines()
     assert lines.count("| simplecil | 90.0 | 0.0 | 80.0 | 5.0 | 7 |") == 2

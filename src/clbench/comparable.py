@@ -166,6 +166,13 @@ def differing_keys(settings: Iterable[Mapping[str, Any]]) -> list[str]:
     return [k for k in keys if len({json.dumps(s.get(k, "<unset>"), default=str) for s in settings}) > 1]
 
 
+def compact(value: Any) -> str:
+    """A setting's value as a user would type it: floats with ``:g``, strings bare, the rest as JSON."""
+    if isinstance(value, float):
+        return f"{value:g}"
+    return value if isinstance(value, str) else json.dumps(value, default=str)
+
+
 def short_names(keys: list[str]) -> dict[str, str]:
     """Each dotted key by its shortest suffix that no other key in ``keys`` ends with (``trainer.lr`` -> ``lr``)."""
     names = {}

@@ -52,6 +52,7 @@ from clbench import paper_table
 from clbench.comparable import (
     WEIGHTS_HASH,
     benchmark_label,
+    compact,
     config_of,
     differing_keys,
     protocol,
@@ -200,13 +201,6 @@ def load(paths: list[Path]) -> tuple[list[Run], list[Skipped]]:
     jobs = [job for job in find_jobs(paths) if not (job / "results.json").exists()]
     others += [skipped(job, f"no results.json; last log line: {last_log_line(job)}") for job in jobs]
     return runs, sorted(others, key=lambda o: str(o.folder))
-
-
-def compact(value: Any) -> str:
-    """A setting value as a user would type it: floats with ``:g``, strings bare, the rest as JSON."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    return value if isinstance(value, str) else json.dumps(value, default=str)
 
 
 def labels(settings: list[dict[str, Any]]) -> list[str]:
