@@ -33,6 +33,8 @@ class Results:
         self.acceleration: dict[str, Any] = {}  # how the step ran: compiled, CUDA graphs, compile time, fallbacks
         # per training phase: {"task", "phase", and the scalars trained of each part (clbench.loop.trained_parts)}
         self.trained_parameters: list[dict[str, Any]] = []
+        # per training phase: {"task", "phase", "steps", and the mean of each value the method's loss logs}
+        self.method_diagnostics: list[dict[str, Any]] = []
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results (the rest comes from the config)."""
@@ -46,6 +48,7 @@ class Results:
             "storage": self.storage,
             "extra": self.extra,
             "trained_parameters": self.trained_parameters,
+            "method_diagnostics": self.method_diagnostics,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -53,6 +56,7 @@ class Results:
         self.validation_rows, self.diagnostics = state["validation_rows"], state["diagnostics"]
         self.timing, self.storage, self.extra = state["timing"], state["storage"], state["extra"]
         self.trained_parameters = state.get("trained_parameters", [])  # absent in a checkpoint written before it
+        self.method_diagnostics = state.get("method_diagnostics", [])
 
     @property
     def stages(self) -> int:
@@ -119,6 +123,7 @@ class Results:
             **({"objective": self.objective} if self.objective else {}),
             "storage": self.storage,
             "trained_parameters": self.trained_parameters,
+            "method_diagnostics": self.method_diagnostics,
             "timing": self.timing,
             **({"acceleration": self.acceleration} if self.acceleration else {}),
             **self.extra,
@@ -132,6 +137,11 @@ class Results:
         changed = not kept or {k: v for k, v in kept[-1].items() if k not in ("task", "phase")} != counts
         self.trained_parameters = [*kept, entry]
         return changed
+
+    def record_diagnostics(self, task: int, phase: str, steps: int, means: dict[str, float]) -> None:
+        """Keep a training phase's diagnostics (once: a phase run again after a resume replaces its entry)."""
+        kept = [e for e in self.method_diagnostics if (e["task"], e["phase"]) != (task, phase)]
+        self.method_diagnostics = [*kept, {"task": task, "phase": phase, "steps": steps, **means}]
 
     def validation(self) -> dict[str, Any]:
         """results.json's ``validation`` entry, with a validation split."""

@@ -172,7 +172,23 @@ def summary_tables(results: Results) -> list[Table]:
     for key, label in _METRIC_LABELS.items():
         table.add_row(label, *[_fmt(metrics.get(s, {}).get(key)) for s in SCENARIOS])
     tables.append(table)
-    return tables
+    return tables + diagnostics_tables(results)
+
+
+def diagnostics_tables(results: Results) -> list[Table]:
+    """The method's own diagnostics (results.json ``method_diagnostics``): per training phase, the mean over its steps
+    of each value its loss logs (MEAT's token keep ratio, EWC's penalty, ...); none for a method that logs none."""
+    entries = results.method_diagnostics
+    keys = list(dict.fromkeys(k for e in entries for k in e if k not in ("task", "phase", "steps")))
+    if not keys:
+        return []
+    table = Table(title="Method diagnostics (mean over each phase's training steps)", title_justify="left")
+    for column in ("task", "phase", "steps", *keys):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for e in entries:
+        values = ["-" if e.get(k) is None else f"{e[k]:.4g}" for k in keys]
+        table.add_row(str(e["task"]), e["phase"], str(e["steps"]), *values)
+    return [table]
 
 
 def say(*objects: Any, terminal: bool = True) -> None:

@@ -150,6 +150,9 @@ def train_tasks(
             }
             checkpoint.save(run_dir, Position(task_id, step, cursor), payload)
 
+    def diagnosed(task: Task, phase: Phase, steps: int, means: dict[str, float]) -> None:
+        results.record_diagnostics(task.id, phase.name, steps, means)
+
     def trains(task: Task, phase: Phase, counts: dict[str, int]) -> None:
         if results.record_trained(task.id, phase.name, counts) and main:
             say(f"task {task.id}, phase {phase.name}: trains {describe_counts(counts)}")
@@ -163,7 +166,7 @@ def train_tasks(
             if cursor is None:
                 start_task(method, task, rt, results)
             start = time.perf_counter()
-            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop, trains)
+            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop, trains, diagnosed)
             step, images = run_task(method, task, rt, epochs=cfg.trainer.epochs, step=step, cursor=cursor, hooks=hooks)
             method.after_task(task)
             if rt.device.type == "cuda":

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from contextlib import closing
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from rich.progress import Progress
 
 from clbench.checkpoint import Cursor
 from clbench.data import Split, Task
+from clbench.distributed import Ranks
 from clbench.errors import Diverged, Preempted
 from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
 from clbench.loop.runtime import Runtime
@@ -44,6 +46,8 @@ class Hooks:
     save: Callable[[Cursor, int], None] | None = None
     stop: Callable[[], int | None] | None = None
     trains: Callable[[Task, Phase, dict[str, int]], None] | None = None  # what a phase trains, by part
+    # a training phase's diagnostics: the mean over its steps of each value the method's loss logs
+    diagnostics: Callable[[Task, Phase, int, dict[str, float]], None] | None = None
 
     def signal(self) -> int | None:
         return self.stop() if self.stop is not None else None
@@ -166,6 +170,7 @@ class PhaseRun:
         self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
         self.ids = method.takes_ids()  # hand each batch's positions in the phase's data to the loss
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
+        self.diagnostics = Diagnostics(rt.device, resume.diagnostics if resume is not None else None)
 
     def scale(self) -> float:
         """The plateau schedule's factor on the learning rate (1 without it)."""
@@ -194,6 +199,9 @@ class PhaseRun:
                     break
             if self.plateau is not None:
                 self.plateau.restore_best(self.method)
+            if self.hooks.diagnostics is not None and self.diagnostics.sums:
+                means = self.diagnostics.means(self.rt.ranks)
+                self.hooks.diagnostics(self.task, self.phase, self.diagnostics.steps, means)
         finally:
             self.close()
         if progress and bar is not None:
@@ -224,6 +232,7 @@ class PhaseRun:
                 self.method.before_step(task, batch, self.per_epoch)
                 ids = order[batch * cfg.batch_size : (batch + 1) * cfg.batch_size] if self.ids else None
                 loss, logs = self.stepper(x_raw, y, ids)
+                self.diagnostics.add(logs)
                 self.schedule.step()
                 self.running += loss
                 epoch_loss += loss
@@ -278,7 +287,34 @@ class PhaseRun:
 
     def cursor(self, epoch: int, batch: int, order: torch.Tensor | None) -> Cursor:
         plateau = self.plateau.state() if self.plateau else None
-        return Cursor(self.index, epoch, batch, order, self.optimizer.state_dict(), self.schedule.state_dict(), plateau)
+        optimizer, schedule = self.optimizer.state_dict(), self.schedule.state_dict()
+        return Cursor(self.index, epoch, batch, order, optimizer, schedule, plateau, self.diagnostics.state())
+
+
+class Diagnostics:
+    """The values a method's loss logs (MEAT's token keep ratio, EWC's penalty, LwF's distillation, ...), summed on
+    the device over a phase's steps (no host sync) and read once, as means, when the phase ends: results.json's
+    ``method_diagnostics`` and the run's summary. A checkpoint inside the phase keeps the sums."""
+
+    def __init__(self, device: torch.device, saved: dict[str, Any] | None = None) -> None:
+        self.device = device
+        self.steps = int(saved["steps"]) if saved else 0
+        self.sums = {k: v.to(device) for k, v in saved["sums"].items()} if saved else {}
+
+    def add(self, logs: Logs) -> None:
+        self.steps += 1
+        for key, value in logs.items():
+            total = self.sums.get(key)
+            if total is None:
+                total = self.sums[key] = torch.zeros((), dtype=torch.float32, device=self.device)
+            total.add_(value.detach().float().sum())
+
+    def means(self, ranks: Ranks) -> dict[str, float]:
+        """Each value's mean over the phase's steps (and over the ranks, each logging its share)."""
+        return {k: ranks.sum_(v / (self.steps * ranks.size)).item() for k, v in self.sums.items()}
+
+    def state(self) -> dict[str, Any]:
+        return {"steps": self.steps, "sums": {k: v.detach().cpu().clone() for k, v in self.sums.items()}}
 
 
 def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, step: int) -> None:
