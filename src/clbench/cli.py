@@ -19,7 +19,7 @@ from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from clbench.config import GROUPS, RunConfig, closest, config_dir, validate
+from clbench.config import GROUPS, RunConfig, closest, config_dir, full_config, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import (
     PID_FILE,
@@ -30,7 +30,9 @@ from clbench.files import (
     write_atomic,
 )
 from clbench.inert import inert_settings, overridden_keys
+from clbench.rerun import left_behind, resume_command
 from clbench.sweep_folders import remember_swept
+from clbench.sweep_summary import DONE, FAILED, REFUSED, STARTED, STOPPED, record, said_before
 
 log = logging.getLogger("clbench")
 
@@ -170,48 +172,68 @@ def warn_inert(cfg: RunConfig, overrides: list[str]) -> None:
 def app(cfg: DictConfig) -> float | None:
     """One job. Returns ``objective`` (e.g. the validation CIL final accuracy), the value a Hydra sweeper (Optuna)
     optimises, or None without one; a job that fails in a sweep returns NaN, which Optuna records as a failed
-    trial."""
+    trial, and records its outcome for the sweep's summary (:mod:`clbench.sweep_summary`)."""
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    folder, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
+
+    def ended(outcome: str, reason: str | None = None) -> None:
+        if multirun:
+            record(Path(hydra_cfg.sweep.dir), int(hydra_cfg.job.num), outcome, reason)
+
+    ended(STARTED)
     try:
         run_cfg = requeued(validate(cfg))
         check_sweep_objective(run_cfg, str(hydra_cfg.sweeper.get("_target_", "")))
-        warn_inert(run_cfg, list(hydra_cfg.overrides.task))
+        warn_inert(run_cfg, overrides)
         if multirun:
             share_cores(hydra_cfg.launcher)
         from clbench import distributed  # heavy imports (torch, timm) only once the config is known to be valid
         from clbench.loop import train
 
         ranks = distributed.init(run_cfg.trainer.device)
-        run_dir = Path(ranks.broadcast(hydra_cfg.runtime.output_dir))  # torchrun: rank 0's folder for every rank
-        results = train(
-            run_cfg,
-            run_dir,
-            name=hydra_cfg.job.override_dirname or None,
-        )
+        run_dir = Path(ranks.broadcast(str(folder)))  # torchrun: rank 0's folder for every rank
+        if not multirun and ranks.is_main:
+            warn_left_behind(run_cfg, run_dir, overrides)
+        results = train(run_cfg, run_dir, name=hydra_cfg.job.override_dirname or None)
+        ended(DONE)
         value = results.objective["value"] if results.objective else None
         return math.nan if run_cfg.objective is not None and value is None else value
     except Preempted as err:
         print(
-            f"\nclbench: {err}. A checkpoint is in {hydra_cfg.runtime.output_dir}; continue with the same command and "
-            "resume=true (and hydra.run.dir set to that folder).",
+            f"\nclbench: {err}. Its checkpoint is in {folder}; to go on where it stopped, run:\n"
+            f"  {resume_command(folder, overrides)}",
             file=sys.stderr,
         )
+        ended(STOPPED, str(err))
         hand_on(err.signum)
         if multirun:
             return math.nan
         sys.exit(0)
     except ClbenchError as err:
-        report(str(err))
+        outcome = FAILED if began_writing(folder) else REFUSED
+        first = said_before(str(err), int(hydra_cfg.job.num)) if multirun else None
+        report(str(err) if first is None else f"job {hydra_cfg.job.num} {outcome}: as job {first}, above.")
+        ended(outcome, str(err))
         RunFolderGuard.put_back()
         if multirun:  # one bad job must not end the sweep; its results.json (if any) says failed
             return math.nan
         sys.exit(2)
-    except Exception:
+    except Exception as err:
         if not multirun:
             raise
         log.exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
+        ended(FAILED, f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
         return math.nan
+
+
+def warn_left_behind(cfg: RunConfig, run_dir: Path, overrides: list[str]) -> None:
+    """A new run (not resumed) whose command stopped before, in another folder: say so, and how to resume that one
+    (:mod:`clbench.rerun`)."""
+    resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / "checkpoint.pt").is_file())
+    said = None if resuming else left_behind(run_dir, full_config(cfg), overrides)
+    if said:
+        report(said, logging.WARNING)
 
 
 def main() -> None:

@@ -67,12 +67,27 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
         check_writable(run_dir)
     acquired = main and lock_run_folder(run_dir)
     try:
-        if main and harmless:
-            say(f"clbench: resuming {run_dir} with {'; '.join(harmless)} (settings that do not change the results)")
+        if main and saved is not None:
+            say(resuming_line(run_dir, saved[0], cfg.data.num_tasks or cfg.data.tasks, harmless))
         return train_in_folder(cfg, run_dir, name, main, saved)
     finally:
         if acquired:
             unlock_run_folder(run_dir)
+
+
+def resuming_line(run_dir: Path, position: Position, tasks: int, harmless: list[str]) -> str:
+    """What a resumed run says first: the folder, where its checkpoint stands, and any changed settings that cannot
+    change its results."""
+    cursor = position.cursor
+    if cursor is not None:
+        where = f"in task {position.task} of {tasks} (phase {cursor.phase}, epoch {cursor.epoch + 1}, {cursor.batch} "
+        where += f"batches into it; step {position.step})"
+    elif position.task < tasks:
+        where = f"at the start of task {position.task} of {tasks} (step {position.step})"
+    else:
+        where = f"after its last task ({tasks} of {tasks}: nothing left to train)"
+    changed = f"; with {'; '.join(harmless)} (settings that do not change the results)" if harmless else ""
+    return f"clbench: resumed {run_dir} from its checkpoint, {where}{changed}"
 
 
 def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
