@@ -291,3 +291,11 @@ def test_mixup_and_cutmix_train_methods_with_task_losses_and_are_refused_for_oth
         with pytest.raises(ClbenchError, match=r"`trainer.mixup`/`trainer.cutmix`: 0.8/1.0"):
             build_runtime(tiny_config(f"method={method}", *deit))
     build_runtime(tiny_config("method=finetune", "method.loss_scope=task", *deit))  # CE over the task's classes
+
+
+def test_throughput_below_one_image_a_second_is_said_in_seconds_an_image() -> None:
+    """A ViT-B on a CPU trains 0.3 images/s: "0 images/s" said nothing; 1 / 0.3 = 3.33 s an image does."""
+    from clbench.loop.task import throughput
+
+    assert throughput(512.4) == "512 images/s" and throughput(1.0) == "1 image/s"
+    assert throughput(0.3) == "3.33 s/image" and throughput(0.05) == "20 s/image"

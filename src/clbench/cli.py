@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import io
 import logging
 import math
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TextIO
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -19,7 +20,7 @@ from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from clbench.config import GROUPS, RunConfig, closest, config_dir, full_config, validate
+from clbench.config import RunConfig, config_dir, full_config, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import (
     PID_FILE,
@@ -29,6 +30,7 @@ from clbench.files import (
     unlock_run_folder,
     write_atomic,
 )
+from clbench.hints import explain
 from clbench.inert import inert_settings, overridden_keys
 from clbench.rerun import left_behind, resume_command
 from clbench.sweep_folders import remember_swept
@@ -173,6 +175,7 @@ def app(cfg: DictConfig) -> float | None:
     """One job. Returns ``objective`` (e.g. the validation CIL final accuracy), the value a Hydra sweeper (Optuna)
     optimises, or None without one; a job that fails in a sweep returns NaN, which Optuna records as a failed
     trial, and records its outcome for the sweep's summary (:mod:`clbench.sweep_summary`)."""
+    HeldStderr.release()  # the config composed: what Hydra said meanwhile (warnings) is said now
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     folder, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
@@ -244,38 +247,40 @@ def main() -> None:
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra.run.dir=."]
     for sig in (signal.SIGINT, signal.SIGTERM):  # the training loop installs its own handlers while it runs
         signal.signal(sig, interrupted)
+    held = HeldStderr.hold()
     try:
         app()
-    except SystemExit as err:  # Hydra reports a bad override or config (printed already) with exit code 1
+    except SystemExit as err:  # Hydra reports a bad override or config (held, not printed yet) with exit code 1
         if err.code == 1 and isinstance(err.__context__, HydraException):
-            hint = did_you_mean(err.__context__)
-            print(f"clbench: {hint}" if hint else "", file=sys.stderr)
+            hint = explain(err.__context__, sys.argv[1:])
+            held.release(instead=f"clbench: {hint}\n" if hint else None)
             sys.exit(2)  # a user error, as every other one
         raise
+    finally:
+        held.release()
 
 
-def did_you_mean(error: HydraException) -> str | None:
-    """For a key a group's schema does not have (``trainer.fooo=1``, or ``method.lamda=0.5`` for the method the
-    command line chose), the closest key it has."""
-    full_key = str(getattr(error.__cause__, "full_key", "") or "")
-    group, _, key = full_key.rpartition(".")
-    schema = GROUPS.get(group) if group != "method" else chosen_method_config(sys.argv[1:])
-    match = closest(key, [f.name for f in dataclasses.fields(schema)]) if schema is not None and key else None
-    return f"did you mean `{group}.{match}`?" if match else None
+class HeldStderr(io.StringIO):
+    """What is written to stderr while Hydra composes the config, held until the job starts (:meth:`release`, called
+    by :func:`app`) or Hydra gives up: clbench's reading of a mistyped key or option then replaces Hydra's."""
 
+    real: ClassVar[TextIO | None] = None
 
-def chosen_method_config(argv: list[str]) -> type | None:
-    """The ``Config`` dataclass of the method a command line chose (directly or through a preset): the config
-    composed again without its ``method.*`` keys. None where that cannot be said (a sweep over methods, say)."""
-    from hydra import compose, initialize_config_dir
+    @classmethod
+    def hold(cls) -> HeldStderr:
+        held = cls()
+        cls.real, sys.stderr = sys.stderr, held
+        return held
 
-    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("method.")]
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            target = compose("config", overrides=overrides).method._target_
-        return get_class(str(target)).Config
-    except Exception:  # the command line has another error too, or sweeps the method: no suggestion
-        return None
+    @classmethod
+    def release(cls, instead: str | None = None) -> None:
+        """Write what was held (or ``instead`` of it) to the real stderr and stop holding; once."""
+        held, real = sys.stderr, cls.real
+        if real is None or not isinstance(held, cls):
+            return
+        sys.stderr, cls.real = real, None
+        real.write(held.getvalue() if instead is None else instead)
+        real.flush()
 
 
 if __name__ == "__main__":

@@ -331,7 +331,7 @@ def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, s
 def throughput(images_per_s: float) -> str:
     """``512 images/s``; below one image a second, the seconds an image takes (``3.2 s/image``: a ViT-B on a CPU)."""
     if images_per_s >= 1:
-        return f"{images_per_s:.0f} images/s"
+        return f"{images_per_s:.0f} image{'' if round(images_per_s) == 1 else 's'}/s"
     return f"{1 / images_per_s:.3g} s/image" if images_per_s > 0 else "no images"
 
 
