@@ -240,6 +240,10 @@ def warn_left_behind(cfg: RunConfig, run_dir: Path, overrides: list[str]) -> Non
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["check"]:  # `clbench check <overrides>`: the run's prerequisites, and nothing else
+        from clbench.check import main as check
+
+        sys.exit(check(sys.argv[2:]))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks, read without importing torch (--help stays fast)
         if {"-m", "--multirun"} & set(sys.argv[1:]):
             sys.exit("clbench: torchrun runs one job over several processes; run sweeps with -m without torchrun.")

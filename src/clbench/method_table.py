@@ -80,7 +80,10 @@ def measure(
 
 
 def not_the_row(run: dict[str, Any], method: str, expected: dict[str, Any]) -> str | None:
-    """Why a finished run's results.json is not its row's (another method, benchmark or config); None when it is."""
+    """Why a finished run's results.json is not its row's (a smoke run, another method, benchmark or config); None
+    when it is."""
+    if run.get("smoke"):
+        return "a smoke run (smoke=true) is not a result: no row written"
     said = (run.get("method"), run.get("benchmark"))
     wanted = (method, benchmark_label(expected["data"]))
     if said != wanted:
@@ -174,6 +177,8 @@ def check_overrides(methods: list[str], extra: list[str]) -> dict[str, dict[str,
                     f"clbench-table: --set {said} would measure {chosen['method']['_target_']} in the {method} row: a "
                     "method's row holds its own method's numbers; nothing measured"
                 )
+            if chosen.get("smoke"):
+                raise SystemExit(f"clbench-table: --set {said}: a smoke run is not a result; nothing measured")
             measured = [k for k in changed if is_protocol(k)]
             if measured:
                 moved = ", ".join(f"{k}: {compact(flat(row, k))} -> {compact(flat(chosen, k))}" for k in measured)

@@ -237,7 +237,12 @@ class WandbTracker:
         self._wandb = wandb
         method = method_name(config["method"]["_target_"])
         benchmark, backbone = benchmark_label(config["data"]), config["backbone"]["name"]
-        tags = [f"method:{method}", f"benchmark:{benchmark}", f"backbone:{backbone}"]
+        tags = [
+            f"method:{method}",
+            f"benchmark:{benchmark}",
+            f"backbone:{backbone}",
+            *(["smoke"] if config.get("smoke") else []),
+        ]
         options = dict(
             project=cfg.project,
             entity=cfg.entity,

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from clbench import __version__, checkpoint, distributed
+from clbench import __version__, checkpoint, distributed, smoke
 from clbench.backbones import sha256, weights_file
 from clbench.checkpoint import Cursor, Position
 from clbench.comparable import benchmark_label, method_name
@@ -136,6 +136,8 @@ def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool,
         tracker.finish(results, run_dir, exit_code)
     if main:
         print_summary(results, run_dir)
+        if cfg.smoke:
+            say(f"[bold yellow]{smoke.warning()}[/bold yellow]")
         if rt.log.compiled_graphs:
             log = rt.log
             say(f"torch.compile: {log.compiled_graphs} graphs, {log.compile_s:.1f} s in the steps that compiled them")
@@ -260,6 +262,7 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "method_config": as_dict(cfg.method),
         "backbone_config": as_dict(cfg.backbone),
         "config": full_config(cfg),
+        **smoke.header(cfg),  # smoke=true: what it kept; clbench-report and make table list such a run apart
     }
 
 

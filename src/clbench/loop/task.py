@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from clbench import smoke
 from clbench.checkpoint import Cursor
 from clbench.data import Split, Task
 from clbench.distributed import Ranks
@@ -171,6 +172,7 @@ class PhaseRun:
         self.ids = method.takes_ids()  # hand each batch's positions in the phase's data to the loss
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
         self.diagnostics = Diagnostics(rt.device, resume.diagnostics if resume is not None else None)
+        self.max_steps = smoke.STEPS_PER_PHASE if rt.cfg.smoke else None  # smoke=true: a step or so a phase
 
     def scale(self) -> float:
         """The plateau schedule's factor on the learning rate (1 without it)."""
@@ -195,7 +197,7 @@ class PhaseRun:
                 here = self.resume is not None and epoch == self.resume.epoch
                 step, seen = self.epoch(epoch, step, self.resume if here else None, bar)
                 images += seen
-                if not self.after_epoch(epoch, step):
+                if not self.after_epoch(epoch, step) or self.steps_done():
                     break
             if self.plateau is not None:
                 self.plateau.restore_best(self.method)
@@ -249,7 +251,9 @@ class PhaseRun:
                     hooks.save(self.cursor(epoch, batch + 1, order), step)
                     name = signal.Signals(signum).name
                     raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
-        done = self.per_epoch - first_batch  # 0 where a checkpoint was written after the epoch's last batch
+                if self.steps_done():
+                    break
+        done = batch + 1 - first_batch if images else 0  # 0 where a checkpoint was written after the epoch's last batch
         if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
             position = f"{where(task, self.phase, epoch)} (its end), step {step}"
             values = {
@@ -261,6 +265,10 @@ class PhaseRun:
                 f"task {task.id} {self.phase.name} epoch {epoch + 1}/{self.phase.epochs}", values, rt, hooks, step
             )
         return step, images
+
+    def steps_done(self) -> bool:
+        """Whether a smoke run's phase has taken its steps (never, in a real run)."""
+        return self.max_steps is not None and self.diagnostics.steps >= self.max_steps
 
     def log_steps(self, logs: Logs, epoch: int, step: int, bar: int | None) -> None:
         """The mean loss of the last ``log_every`` steps (checked finite) and the method's values: W&B, the bar."""
