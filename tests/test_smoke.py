@@ -19,15 +19,18 @@ from conftest import TINY, clbench, tiny_config
 SMOKE = ("method=meat", "smoke=true", "trainer.epochs=3")
 
 
-def test_smoke_keeps_the_first_images_of_every_class_of_every_task() -> None:
-    bench = build_benchmark(tiny_config().data)
+def test_smoke_keeps_two_training_images_of_every_class_and_a_test_image_of_every_task() -> None:
+    bench = build_benchmark(tiny_config("data.val_fraction=0.5").data)
     small = smoke.sampled(bench)
     assert small.tasks == bench.tasks
-    for full, kept, per_class in [(bench.train, small.train, 2), (bench.test, small.test, 1)]:
-        for a, b in zip(full, kept, strict=True):
-            for label in a.y.unique().tolist():
-                rows = (a.y == label).nonzero().flatten()[:per_class]
-                assert torch.equal(b.x[b.y == label], a.x[rows])
+    for a, b in zip(bench.train, small.train, strict=True):
+        for label in a.y.unique().tolist():
+            rows = (a.y == label).nonzero().flatten()[:2]
+            assert torch.equal(b.x[b.y == label], a.x[rows])
+    for full, kept in ((bench.test, small.test), (bench.validation, small.validation)):
+        assert [(torch.equal(b.x, a.x[:1]), torch.equal(b.y, a.y[:1])) for a, b in zip(full, kept, strict=True)] == [
+            (True, True)
+        ] * 3
 
 
 def test_a_smoke_run_takes_one_step_a_phase_and_says_it_is_not_a_result(

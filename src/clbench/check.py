@@ -32,8 +32,10 @@ def device_line(cfg: RunConfig) -> str:
 
     if torch.cuda.is_available() and cfg.trainer.device != "cpu":
         return f"{torch.cuda.get_device_name()} (CUDA)"
-    note = "" if cfg.smoke else "; smoke=true takes it end to end in about a minute here, to try it before a GPU"
-    return f"the CPU (no CUDA device visible, or trainer.device=cpu){note}"
+    why = "trainer.device=cpu" if cfg.trainer.device == "cpu" else "no CUDA device visible"
+    large = cfg.backbone.img_size >= 224 and not cfg.smoke  # a paper's backbone: hours a task on a CPU
+    note = "; smoke=true takes it end to end here in minutes, to try it before a GPU" if large else ""
+    return f"the CPU ({why}){note}"
 
 
 def report(cfg: RunConfig) -> tuple[list[str], int]:

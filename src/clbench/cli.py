@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import io
 import logging
 import math
 import os
 import signal
 import sys
 from pathlib import Path
-from typing import ClassVar, TextIO
+from typing import ClassVar
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
@@ -30,7 +29,7 @@ from clbench.files import (
     unlock_run_folder,
     write_atomic,
 )
-from clbench.hints import explain
+from clbench.hints import HeldStderr, explain
 from clbench.inert import inert_settings, overridden_keys
 from clbench.rerun import left_behind, resume_command
 from clbench.sweep_folders import remember_swept
@@ -262,29 +261,6 @@ def main() -> None:
         raise
     finally:
         held.release()
-
-
-class HeldStderr(io.StringIO):
-    """What is written to stderr while Hydra composes the config, held until the job starts (:meth:`release`, called
-    by :func:`app`) or Hydra gives up: clbench's reading of a mistyped key or option then replaces Hydra's."""
-
-    real: ClassVar[TextIO | None] = None
-
-    @classmethod
-    def hold(cls) -> HeldStderr:
-        held = cls()
-        cls.real, sys.stderr = sys.stderr, held
-        return held
-
-    @classmethod
-    def release(cls, instead: str | None = None) -> None:
-        """Write what was held (or ``instead`` of it) to the real stderr and stop holding; once."""
-        held, real = sys.stderr, cls.real
-        if real is None or not isinstance(held, cls):
-            return
-        sys.stderr, cls.real = real, None
-        real.write(held.getvalue() if instead is None else instead)
-        real.flush()
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 
 Hydra answers ``method.lamda=0.5`` with "To append to your config use +method.lamda=0.5", which clbench's schemas
 would refuse anyway, ``method=meta`` with the list of methods alone, and ``lam=0.5`` without a hint. For each,
-:func:`explain` names the closest key or option: ``method.lam``, ``method=meat``, ``method.lam``.
+:func:`explain` names the closest key or option: ``method.lam``, ``method=meat``, ``method.lam``. What Hydra writes
+while it composes is held (:class:`HeldStderr`), so that clbench's reading comes instead of it, not after it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import io
+import sys
+from typing import ClassVar, TextIO
 
 from hydra.errors import HydraException, MissingConfigException
 from hydra.utils import get_class
@@ -108,3 +112,31 @@ def chosen_method_config(argv: list[str]) -> type | None:
         return get_class(str(target)).Config
     except Exception:  # the command line has another error too, or sweeps the method: no suggestion
         return None
+
+
+class HeldStderr(io.StringIO):
+    """What is written to stderr while Hydra composes the config, held until the job or sweep starts (:meth:`release`,
+    called by ``clbench.cli.app`` and at a sweep's start) or Hydra gives up: clbench's reading of a mistyped key or
+    option (:func:`explain`) then replaces Hydra's."""
+
+    real: ClassVar[TextIO | None] = None
+
+    @classmethod
+    def hold(cls) -> HeldStderr:
+        held = cls()
+        cls.real, sys.stderr = sys.stderr, held
+        return held
+
+    @classmethod
+    def release(cls, instead: str | None = None) -> None:
+        """Write what was held (or ``instead`` of it) to the real stderr and stop holding. Where nothing is held any
+        more (Hydra composed a later job of a sweep after the first had started), ``instead`` follows what Hydra
+        said."""
+        held, real = sys.stderr, cls.real
+        if real is None or not isinstance(held, cls):
+            if instead:
+                print(instead, end="", file=sys.stderr)
+            return
+        sys.stderr, cls.real = real, None
+        real.write(held.getvalue() if instead is None else instead)
+        real.flush()

@@ -20,6 +20,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 
 from clbench.files import write_atomic
+from clbench.hints import HeldStderr
 
 OUTCOMES = ".clbench_jobs"
 DONE, FAILED, REFUSED, STOPPED = "done", "failed", "refused", "stopped"
@@ -76,6 +77,7 @@ class SweepSummary(Callback):
     """Registered in conf/config.yaml under hydra.callbacks: at the end of a sweep, its summary and exit code."""
 
     def on_multirun_start(self, config: DictConfig, **kwargs: object) -> None:
+        HeldStderr.release()  # the sweep's config composed: what Hydra said meanwhile is said now
         shutil.rmtree(Path(str(config.hydra.sweep.dir)) / OUTCOMES, ignore_errors=True)  # a killed sweep's records
 
     def on_multirun_end(self, config: DictConfig, **kwargs: object) -> None:
