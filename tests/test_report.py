@@ -572,3 +572,13 @@ def test_rows_of_different_protocols_are_labelled_and_said_to_be(
     (tmp_path / "sweep" / "2" / "results.json").unlink()
     text, rows = report(tmp_path, capsys)
     assert rows[0]["protocol"] == "" and "protocol" not in text.splitlines()[0]
+
+
+def test_a_metric_the_checker_cannot_recompute_is_still_held_to_its_range() -> None:
+    """A metric beside the ones computed from the matrix (a micro accuracy, say): a number, an accuracy in [0, 100]
+    unless it is a forgetting, BWT or FWT."""
+    from clbench.results_check import metric_problem
+
+    assert metric_problem("final_acc_micro", -5.0, "m") == "m is -5.0, outside [0, 100]"
+    assert metric_problem("forgetting_micro", -5.0, "m") is None
+    assert metric_problem("avg_incremental_acc_micro", "x", "m") == "m is 'x', not a number"

@@ -14,7 +14,7 @@ from typing import Any
 from clbench import metrics
 
 SCENARIOS = ("til", "cil")
-ACCURACIES = ("final_acc", "avg_incremental_acc")  # in [0, 100]; the other metrics are differences, in [-100, 100]
+DIFFERENCES = ("forgetting", "bwt", "fwt")  # in [-100, 100]; every other metric is an accuracy, in [0, 100]
 TOLERANCE = 1e-6  # percentage points: what two computations of one metric from one matrix may differ by (rounding)
 
 
@@ -45,7 +45,7 @@ def metric_problem(name: str, value: Any, where: str) -> str | None:
         return None
     if not is_number(value):
         return f"{where} is {value!r}, not a number"
-    low = 0 if name in ACCURACIES else -100
+    low = -100 if name.startswith(DIFFERENCES) else 0
     return None if low <= value <= 100 else f"{where} is {value!r}, outside [{low}, 100]"
 
 
