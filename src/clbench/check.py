@@ -53,6 +53,9 @@ def report(cfg: RunConfig) -> tuple[list[str], int]:
 
 def main(argv: list[str]) -> int:
     """Check the run ``argv`` describes; print what it found; the exit code."""
+    if {"-h", "--help"} & set(argv):
+        print(f"usage: clbench check [OVERRIDES...]\n\n{__doc__.strip()}")
+        return 0
     if {"-m", "--multirun"} & set(argv):
         print("clbench check: checks one run: drop -m and check each setting of the sweep.", file=sys.stderr)
         return 2
