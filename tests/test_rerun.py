@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from clbench.loop import train
-from clbench.sweep_summary import summary
+from clbench.sweep_summary import numbers, summary
 from conftest import TINY, clbench, run_command, tiny_config
 from test_resume import clbench_killing_itself, matrices
 
@@ -49,8 +49,8 @@ def test_a_stopped_run_prints_the_command_that_resumes_it_and_a_rerun_says_what_
 
     resumed = run_command(*pasted(said), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    unwrapped = resumed.stderr.replace("\n", "")  # the console wraps long lines
-    assert f"clbench: resumed {stopped_dir.resolve()} from its checkpoint, in task 1 of 2" in unwrapped
+    unwrapped = "".join(resumed.stderr.split())  # the console wraps long lines, inside a path too
+    assert "".join(f"clbench: resumed {stopped_dir.resolve()} from its checkpoint, in task 1 of 2".split()) in unwrapped
     assert matrices(stopped_dir / "results.json") == expected
 
 
@@ -70,7 +70,7 @@ def test_a_sweep_ends_with_one_summary_and_exit_2_when_every_job_is_refused(tmp_
     assert out.stderr.count("cifar100: CIFAR-100") == 2  # the job's paragraph and the summary's reason
     assert "clbench: job 1 refused: as job 0, above." in out.stderr and "job 2 refused: as job 0" in out.stderr
     assert "clbench: sweep of 3 jobs: 0 done, 3 refused." in out.stderr
-    assert "  refused, 3 jobs (0, 1, 2): a prerequisite is missing" in out.stderr
+    assert "  refused, 3 jobs (0-2): a prerequisite is missing" in out.stderr
     assert not (tmp_path / "sweep" / ".clbench_jobs").exists()
 
 
@@ -101,6 +101,7 @@ def test_the_summary_groups_identical_reasons_and_counts_a_killed_job() -> None:
         {"job": 3, "outcome": "started"},
     ]
     lines, code = summary(entries)
+    assert numbers([0, 1, 2, 5, 6, 9, 10, 11, 12]) == "0-2, 5, 6, 9-12"
     assert lines[0] == "clbench: sweep of 4 jobs: 1 done, 2 refused, 1 killed."
     assert lines[1] == "  refused, 2 jobs (1, 2): no data"
     assert lines[2].startswith("  killed, job (3): started and never ended") and code == 1

@@ -34,7 +34,7 @@ def device_line(cfg: RunConfig) -> str:
         return f"{torch.cuda.get_device_name()} (CUDA)"
     why = "trainer.device=cpu" if cfg.trainer.device == "cpu" else "no CUDA device visible"
     large = cfg.backbone.img_size >= 224 and not cfg.smoke  # a paper's backbone: hours a task on a CPU
-    note = "; smoke=true takes it end to end here in minutes, to try it before a GPU" if large else ""
+    note = "; smoke=true takes it end to end here in a minute or two, to try it before a GPU" if large else ""
     return f"the CPU ({why}){note}"
 
 

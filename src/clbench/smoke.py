@@ -1,10 +1,12 @@
-"""``smoke=true``: a run, a paper preset's on ViT-B included, taken end to end in about a minute on a CPU, to see that
-it starts, trains every phase of every task, evaluates and writes its folder before it goes to a GPU. Never a result.
+"""``smoke=true``: a run, a paper preset's on ViT-B included, taken end to end in a minute or two on a CPU, to see
+that it starts, trains every phase of every task, evaluates and writes its folder before it goes to a GPU. Never a
+result.
 
 Every task keeps :data:`TRAIN_PER_CLASS` training images of each of its classes and its first :data:`TEST_PER_TASK`
 test (and validation) image; every training phase stops after :data:`STEPS_PER_PHASE` step of a batch of
 :data:`BATCH_SIZE` (the memory's draws too). The config, results.json and the summary say so; ``clbench-report``
-and ``make table`` list such a run apart, never in a row. MEASURED
+and ``make table`` list such a run apart, never in a row. Measured on 2 CPU cores, the whole command: L2P Table 1's ER
+row 90 s and its L2P row 83 s (ViT-B/16 at 224 px, 10 tasks of synthetic CIFAR-100), most of it ViT-B's steps.
 """
 
 from __future__ import annotations

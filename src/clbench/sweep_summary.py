@@ -57,20 +57,31 @@ def summary(entries: list[dict[str, Any]]) -> tuple[list[str], int]:
     """The summary's lines (counts, then each reason once with the jobs it ended) and the sweep's exit code: 1 where a
     job failed, stopped or was killed, else 2 where one was refused (a user error, as a single run's), else 0."""
     counts: dict[str, int] = defaultdict(int)
-    reasons: dict[tuple[str, str], list[str]] = defaultdict(list)
+    reasons: dict[tuple[str, str], list[int]] = defaultdict(list)
     for entry in entries:
         outcome = KILLED if entry["outcome"] == STARTED else entry["outcome"]
         counts[outcome] += 1
         if outcome != DONE:
             why = entry.get("reason") or "started and never ended (out of memory, a time limit, SIGKILL)"
-            reasons[(outcome, why.strip())].append(str(entry["job"]))
+            reasons[(outcome, why.strip())].append(int(entry["job"]))
     parts = [f"{counts[k]} {k}" for k in (DONE, FAILED, REFUSED, STOPPED, KILLED) if counts[k] or k == DONE]
     lines = [f"clbench: sweep of {len(entries)} jobs: {', '.join(parts)}."]
     for (outcome, why), jobs in reasons.items():
         label = "job" if len(jobs) == 1 else f"{len(jobs)} jobs"
-        lines.append(f"  {outcome}, {label} ({', '.join(jobs)}): " + why.replace("\n", "\n    "))
+        lines.append(f"  {outcome}, {label} ({numbers(jobs)}): " + why.replace("\n", "\n    "))
     code = 1 if counts[FAILED] or counts[STOPPED] or counts[KILLED] else 2 if counts[REFUSED] else 0
     return lines, code
+
+
+def numbers(jobs: list[int]) -> str:
+    """Job numbers as a user reads them: runs of three or more as ranges (``0-47``, ``1, 2, 5-9``)."""
+    runs: list[list[int]] = []
+    for job in sorted(jobs):
+        if runs and job == runs[-1][-1] + 1:
+            runs[-1].append(job)
+        else:
+            runs.append([job])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ", ".join(map(str, r)) for r in runs)
 
 
 class SweepSummary(Callback):

@@ -76,12 +76,13 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
 
 
 def resuming_line(run_dir: Path, position: Position, tasks: int, harmless: list[str]) -> str:
-    """What a resumed run says first: the folder, where its checkpoint stands, and any changed settings that cannot
-    change its results."""
+    """What a resumed run says first: the folder, where its checkpoint stands (tasks, phases and epochs counted from
+    0, as the stop message counts them), and any changed settings that cannot change its results."""
     cursor = position.cursor
     if cursor is not None:
-        where = f"in task {position.task} of {tasks} (phase {cursor.phase}, epoch {cursor.epoch + 1}, {cursor.batch} "
-        where += f"batches into it; step {position.step})"
+        batches = f"{cursor.batch} batch{'' if cursor.batch == 1 else 'es'}"
+        where = f"in task {position.task} of {tasks} (phase {cursor.phase}, epoch {cursor.epoch}, after {batches}"
+        where += f" of it; step {position.step})"
     elif position.task < tasks:
         where = f"at the start of task {position.task} of {tasks} (step {position.step})"
     else:
