@@ -34,7 +34,8 @@ NOT_A_SETTING = (
 
 
 # The keys that say what a run was measured on: the benchmark's tasks (its source, which classes, in which order, how
-# many), the train/test split and the classes CIL's argmax runs over. Runs that differ in one of them were measured on
+# many, how they are cut into tasks), the train/test split and the classes CIL's argmax runs over; a key a data config
+# does not have is left out. Runs that differ in one of them were measured on
 # different things: a report never sets their rows side by side without saying so, a method or paper table never mixes
 # them. (``data.num_tasks`` counts as the number of tasks run: null and the benchmark's own count are one protocol.)
 PROTOCOL = (
@@ -45,12 +46,15 @@ PROTOCOL = (
     "data.datasets",
     "data.tasks",
     "data.num_tasks",
+    "data.init_classes",
+    "data.increment",
     "data.tasks_by",
     "data.class_order_seed",
     "data.permutation_seed",
     "data.permutation_size",
     "data.split_seed",
     "data.test_fraction",
+    "data.folder_split",
     "data.synthetic_classes",
     "data.synthetic_train_per_class",
     "data.synthetic_test_per_class",
@@ -126,8 +130,8 @@ def is_protocol(key: str) -> bool:
 
 
 def protocol(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The :data:`PROTOCOL` keys of a config (``data.num_tasks``: the number of tasks run)."""
-    flat = flatten(config)
+    """The :data:`PROTOCOL` keys of a config's :func:`setting` (``data.num_tasks``: the number of tasks run)."""
+    flat = setting(config)
     found = {k: flat[k] for k in PROTOCOL if k in flat}
     if "data.num_tasks" in found or "data.tasks" in flat:
         found["data.num_tasks"] = found.get("data.num_tasks") or flat.get("data.tasks")
