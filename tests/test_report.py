@@ -426,7 +426,8 @@ def test_make_table_writes_no_row_from_a_run_that_is_not_the_rows(
 
     from clbench import method_table
 
-    expected = method_table.check_overrides(["er"], [])["5 tasks/er"]["config"]
+    rows = method_table.check_overrides(["er", "finetune", "classifier"], [])
+    expected = rows["5 tasks/er"]["config"]
 
     def child(wrote: dict[str, Any]) -> Any:
         def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
@@ -438,10 +439,10 @@ def test_make_table_writes_no_row_from_a_run_that_is_not_the_rows(
 
         return run
 
-    finetune = {"method": "finetune", "benchmark": "digits_5tasks", "config": expected}
+    finetune = {"method": "finetune", "benchmark": "digits_5tasks", "config": rows["5 tasks/finetune"]["config"]}
     monkeypatch.setattr(method_table.subprocess, "run", child(finetune))
     row = method_table.measure("er", (), tmp_path / "a", expected)
-    assert "values" not in row and "measured finetune on digits_5tasks, not er on digits_5tasks" in row["error"]
+    assert "values" not in row and "measured clbench.methods.finetune.Finetune, not the er row's" in row["error"]
     other = copy.deepcopy(expected)
     other["trainer"]["epochs"] = 1
     monkeypatch.setattr(
@@ -449,6 +450,13 @@ def test_make_table_writes_no_row_from_a_run_that_is_not_the_rows(
     )
     row = method_table.measure("er", (), tmp_path / "b", expected)
     assert "values" not in row and "config is not its row's (trainer.epochs)" in row["error"]
+    fewer = {"method": "er", "benchmark": "digits_5tasks_first3", "config": expected}
+    monkeypatch.setattr(method_table.subprocess, "run", child(fewer))
+    row = method_table.measure("er", (), tmp_path / "c", expected)
+    assert "values" not in row and "measured digits_5tasks_first3, not the table's digits_5tasks" in row["error"]
+    classifier = rows["5 tasks/classifier"]["config"]  # finetune's class: results.json names its method finetune
+    monkeypatch.setattr(method_table.subprocess, "run", child({**finetune, "config": classifier}))
+    assert "values" in method_table.measure("classifier", (), tmp_path / "d", classifier)
 
 
 def table_readme(path: Path, methods: tuple[str, ...]) -> bytes:
