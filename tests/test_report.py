@@ -380,7 +380,7 @@ def test_the_method_tables_are_measured_and_written_between_their_markers(tmp_pa
 @pytest.mark.parametrize(
     ("overrides", "said"),
     [
-        (["method=finetune", "trainer.epochs=1"], "would measure clbench.methods.finetune.Finetune in the er row"),
+        (["method=finetune", "trainer.epochs=1"], "would measure method=finetune in the er row"),
         (["data.num_tasks=2", "trainer.epochs=1"], "the 5 tasks table measures (data.num_tasks: null -> 2)"),
         (
             ["data=synthetic_tiny"],

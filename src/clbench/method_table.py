@@ -175,10 +175,11 @@ def check_overrides(methods: list[str], extra: list[str]) -> dict[str, dict[str,
             row, chosen = row_config(method, list(overrides)), row_config(method, [*overrides, *extra])
             changed = differing_keys([flat_setting(row), flat_setting(chosen)])
             said = " ".join(extra)
-            if "method._target_" in changed:
+            picks = [o for o in extra if o.lstrip("+~").split("=", 1)[0] == "method"]  # another config, same class too
+            if "method._target_" in changed or picks:
                 raise SystemExit(
-                    f"clbench-table: --set {said} would measure {chosen['method']['_target_']} in the {method} row: a "
-                    "method's row holds its own method's numbers; nothing measured"
+                    f"clbench-table: --set {said} would measure {', '.join(picks) or chosen['method']['_target_']} in "
+                    f"the {method} row: a method's row holds its own method's numbers; nothing measured"
                 )
             if chosen.get("smoke"):
                 raise SystemExit(f"clbench-table: --set {said}: a smoke run is not a result; nothing measured")
