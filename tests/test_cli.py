@@ -135,15 +135,25 @@ def test_a_diverging_loss_ends_with_one_paragraph_naming_where(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("overrides", "hint"),
     [
-        (("method=meat", "method.lamda=0.5"), "did you mean `method.lam`?"),
-        (("experiment=l2p_cifar100_paper", "method.pool_sise=5"), "did you mean `method.pool_size`?"),  # via a preset
+        (("method=meat", "method.lamda=0.5"), "`method.lamda` is not a key of method=meat: did you mean `method.lam`?"),
+        (  # the method chosen through a preset
+            ("experiment=l2p_cifar100_paper", "method.pool_sise=5"),
+            "`method.pool_sise` is not a key of the chosen method: did you mean `method.pool_size`?",
+        ),
+        (("method=meta",), "no method config `meta`: did you mean `method=meat`? The method configs: adapter, apd,"),
+        (("method=meat", "lam=0.5"), "`lam` is not a top-level key: did you mean `method.lam`?"),
+        (("lam=0.5",), "`lam` is not a top-level key: did you mean `method.lam` (a key of method=ewc, method=lwf,"),
+        (("epochs=3",), "`epochs` is not a top-level key: did you mean `trainer.epochs`?"),
     ],
 )
-def test_a_mistyped_method_key_gets_the_closest_key_of_the_chosen_method(
+def test_a_mistyped_key_or_option_gets_clbenchs_closest_instead_of_hydras_advice(
     tmp_path: Path, overrides: tuple[str, ...], hint: str
 ) -> None:
+    """clbench's reading comes first, alone: not Hydra's "To append to your config use +..." (clbench's schemas
+    refuse unknown keys) nor a bare list of options."""
     out = clbench(*overrides, f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path)
-    assert out.returncode == 2 and out.stderr.rstrip().endswith(f"clbench: {hint}"), out.stderr[-2000:]
+    assert out.returncode == 2 and out.stderr.startswith(f"clbench: {hint}"), out.stderr[-2000:]
+    assert "To append" not in out.stderr and "HYDRA_FULL_ERROR" not in out.stderr
 
 
 def test_the_embedded_default_prints_the_weights_it_loads_once(tmp_path: Path) -> None:
@@ -154,3 +164,19 @@ def test_the_embedded_default_prints_the_weights_it_loads_once(tmp_path: Path) -
     said = out.stdout + out.stderr + (tmp_path / "clbench.log").read_text()
     assert "from checkpoint" not in said  # timm's own lines: the backbone line names the file
     assert out.stderr.count("vit_micro.glyphs.safetensors") == 1
+
+
+def test_a_run_of_fewer_tasks_is_named_by_what_it_ran(tmp_path: Path) -> None:
+    """`data.num_tasks=3` of a 5-task benchmark: the folder, results.json and the figures' titles say the first 3."""
+    from clbench.results import Results
+    from clbench.tracking import on_what
+
+    out = clbench(*TINY, "trainer.epochs=1", "trainer.eval_random_init=false", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (folder,) = (tmp_path / "outputs").glob("*/*")
+    assert folder.name.endswith("_finetune_synthetic_tiny_first3")
+    results = json.loads((folder / "results.json").read_text())
+    assert results["benchmark"] == "synthetic_tiny_first3" and len(results["tasks"]) == 3
+    assert on_what(Results({"method": "finetune", "benchmark": results["benchmark"]}, [])) == (
+        "finetune on synthetic_tiny_first3"
+    )

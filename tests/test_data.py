@@ -87,6 +87,9 @@ def test_checksums_reject_a_copy_made_by_hand(tmp_path: Path) -> None:
     with pytest.raises(DataError, match="fail their checksums") as err:
         build_benchmark(cifar_config(tmp_path))
     assert "verify_checksums=false" in str(err.value)
+    assert f"The cifar100 files in {tmp_path / 'cifar-100-python'} are missing or fail their checksums." in str(
+        err.value
+    )
 
 
 def test_missing_files_offline_name_the_path_and_the_fix(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def refused(out: subprocess.CompletedProcess, *needles: str) -> None:
     [
         ("+trainer.foo=1", ("Unknown key(s) in `trainer`: `foo`",)),
         ("+trainer.lrr=1", ("`lrr` (did you mean `lr`?)",)),
-        ("trainer.epoch=1", ("Could not override 'trainer.epoch'", "did you mean `trainer.epochs`?")),
+        ("trainer.epoch=1", ("`trainer.epoch` is not a key of the trainer config: did you mean `trainer.epochs`?",)),
         ("trainer.epochs=[1", ("no viable alternative",)),
         ("seed=4294967296", ("`seed`: 4294967296", "[0, 2**32)")),
     ],

@@ -272,7 +272,8 @@ def test_the_step_makes_no_hidden_host_sync(method_name: str, graphs: bool) -> N
     def step() -> None:  # what the loop does per batch
         x, y = split.batch(None, 0, 8)
         method.before_step(task, 0, 4)
-        run.stepper(x, y)
+        _, logs = run.stepper(x, y)
+        run.diagnostics.add(logs)  # the method's logged values, summed on the device
         run.schedule.step()
 
     for _ in range(WARMUP_STEPS + 1 if graphs else 1):  # warm-up (and capture): allocations, lazy initialisation

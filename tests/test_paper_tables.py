@@ -360,3 +360,31 @@ def test_a_table_can_lay_out_protocol_ps_micro_metrics_and_refuses_a_name_result
     (tables / "pilot_demo.yaml").write_text(PILOT_TABLE.replace("final_acc_micro", "final_acc_mikro"))
     with pytest.raises(ValueError, match=r"reads 'metrics\.cil\.final_acc_mikro': not metrics\.<til\|cil>\.<"):
         paper_table.load_table("pilot_demo")
+
+
+def test_a_weights_file_is_the_rows_setting_when_its_hash_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`backbone.weights=PATH` (what the missing-weights message offers offline) loads the row's weights when the
+    file's SHA-256 is theirs: the run is in the row, and the row says it was made with that override; a file with
+    another hash is another setting, listed apart."""
+    from test_report import write_run
+
+    hub, other = "a" * 64, "b" * 64
+    sweep = tmp_path / "sweep"
+    jobs = [(None, hub), ("/offline/vit_in21k.npz", hub), ("/offline/vit_in1k.npz", other)]
+    for seed, (path, sha) in enumerate([(None, hub), *jobs]):
+        changes = {"backbone.weights": path, "backbone.pretrained": path is None}
+        recorded = {"weights_file": path or "/hub/cache/model.safetensors", "weights_sha256": sha}
+        write_run(sweep / str(seed), seed=seed, changes=changes, backbone_config=recorded)
+        extra = [f"backbone.weights={path}"] if path else []
+        job(sweep, seed, ["experiment=l2p_table1_er_10", f"seed={seed}", *extra])
+    report_main(["--table", "l2p_table1", str(sweep), "--out", str(tmp_path / "table")])
+    out = capsys.readouterr().out
+    (row,) = [r for r in table_rows(out) if r["Preset"] == "l2p_table1_er_10"]
+    assert row["runs"] == "3" and row["Method"] == "ER *"
+    assert "ER (10/class): backbone.weights=/offline/vit_in21k.npz (SHA-256 aaaaaaaaaaaa...)" in out
+    apart = out.split("Not rows of this table")[1]
+    (line,) = [x for x in apart.splitlines() if x.startswith(f"- {sweep / '3'}:")]
+    assert "a different setting from its 3 other runs (backbone.weights_sha256)" in line
+    assert f"{sweep / '2'}" not in apart

@@ -5,12 +5,14 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from clbench.metrics import summary
 from clbench.report import main
 
 CONFIG: dict[str, Any] = {
@@ -31,11 +33,15 @@ def write_run(
     *,
     seed: int = 0,
     changes: dict[str, Any] | None = None,
-    values: dict[str, float | None] | None = None,
+    values: dict[str, Any] | None = None,
     **top: Any,
 ) -> dict[str, Any]:
-    """Write ``folder/results.json`` of a finished run: CONFIG with dotted ``changes``, every metric 50.0 but for
-    ``values`` (``{"cil.bwt": -3.0}``), and ``top`` over the top-level keys. Returns what it wrote."""
+    """Write ``folder/results.json`` of a finished run of two tasks: CONFIG with dotted ``changes``, ``top`` over the
+    top-level keys, and metrics that are what its matrices give (as clbench writes them). Each scenario's matrix is
+    [[80 + seed, -], [60 + seed, 40 + seed]], made to give ``values`` (``{"cil.final_acc": 55.0}``): final_acc v makes
+    the last row [v, v]; bwt v sets R[1][0] = R[0][0] + v; fwt v sets the accuracy on task 1 before training it to
+    20 + v over a random-init accuracy of 20 (fwt None: no random-init accuracy). A value that is not a number is
+    written into the metrics as it is (a damaged file), NaN too. Returns what it wrote."""
     config = copy.deepcopy(CONFIG) | {"seed": seed}
     for dotted, value in (changes or {}).items():
         *parents, leaf = dotted.split(".")
@@ -43,11 +49,26 @@ def write_run(
         for parent in parents:
             node = node[parent]
         node[leaf] = value
-    metrics: dict[str, dict[str, float | None]] = {s: dict.fromkeys(METRICS, 50.0) for s in ("til", "cil")}
+    matrix = {s: [[80.0 + seed, None], [60.0 + seed, 40.0 + seed]] for s in ("til", "cil")}
+    before = {s: [None, 30.0] for s in ("til", "cil")}
+    random_init: dict[str, list[float] | None] = {s: [10.0, 20.0] for s in ("til", "cil")}
+    damaged = {}
     for dotted, value in (values or {}).items():
         scenario, metric = dotted.split(".")
+        rows = matrix[scenario]
+        if not isinstance(value, float | type(None)) or (value is not None and not math.isfinite(value)):
+            damaged[(scenario, metric)] = value
+        elif metric == "final_acc":
+            rows[1] = [value, value]
+        elif metric == "bwt":
+            rows[1][0] = rows[0][0] + value
+        elif metric == "fwt" and value is None:
+            random_init[scenario] = None
+        elif metric == "fwt":
+            before[scenario], random_init[scenario] = [None, 20.0 + value], [10.0, 20.0]
+    metrics = {s: summary(matrix[s], before[s], random_init[s]) for s in ("til", "cil")}
+    for (scenario, metric), value in damaged.items():
         metrics[scenario][metric] = value
-    matrix = [[80.0 + seed, None], [60.0 + seed, 40.0 + seed]]
     run = {
         "method": "finetune",
         "backbone": "vit_micro",
@@ -55,7 +76,9 @@ def write_run(
         "seed": seed,
         "status": "finished",
         "config": config,
-        "acc_matrix": {"til": matrix, "cil": matrix},
+        "acc_matrix": matrix,
+        "before_task_acc": before,
+        "random_init_acc": random_init,
         "metrics": metrics,
     } | top
     folder.mkdir(parents=True, exist_ok=True)
@@ -234,14 +257,68 @@ def test_a_run_found_twice_counts_once_and_the_duplicate_is_named(
     assert "mr2/0" in out and "duplicate of" in out and "seed 0" in out
 
 
-def test_one_damaged_results_json_is_listed_and_the_rest_reported(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+def damaged_sweep(sweep: Path) -> dict[str, str]:
+    """Two sound runs (seeds 0, 1) of the row preset l2p_table1_ft_seq, and beside them runs that must not be averaged,
+    each with the words its line must say: a binary file, a NaN metric, a metric written as a string, a final accuracy
+    of 250 (its matrix unchanged), and one whose final accuracy its own matrix contradicts."""
+    for seed in (0, 1):
+        write_run(sweep / str(seed), seed=seed, values={"cil.final_acc": 60.0 + seed})
+    (sweep / "2").mkdir()
+    (sweep / "2" / "results.json").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe")
+    write_run(sweep / "3", seed=3, values={"cil.final_acc": float("nan")})
+    write_run(sweep / "4", seed=4, values={"til.forgetting": "12.5"})
+    for folder, value in (("5", 250.0), ("6", 55.0)):
+        run = write_run(sweep / folder, seed=int(folder))
+        run["metrics"]["cil"]["final_acc"] = value  # the last row, [60 + seed, 40 + seed], averages 50 + seed
+        (sweep / folder / "results.json").write_text(json.dumps(run))
+    for job in sweep.iterdir():
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(f"- experiment=l2p_table1_ft_seq\n- seed={job.name}\n")
+    return {
+        "2": "unreadable results.json: UnicodeDecodeError",
+        "3": "metrics.cil.final_acc is nan, not a number",
+        "4": "metrics.til.forgetting is '12.5', not a number",
+        "5": "metrics.cil.final_acc is 250.0, outside [0, 100]",
+        "6": "metrics.cil.final_acc is 55.0, but its acc_matrix gives 56.0000",
+    }
+
+
+@pytest.mark.parametrize("table", [None, "l2p_table1"])
+def test_a_damaged_or_contradicted_results_json_is_named_and_the_rest_reported(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], table: str | None
 ) -> None:
-    write_run(tmp_path / "sweep" / "0", seed=0)
-    write_run(tmp_path / "sweep" / "1", seed=1, values={"til.final_acc": "high"})  # type: ignore[dict-item]
-    out, rows = report(tmp_path, capsys)
-    assert rows[0]["runs"] == "1"
-    assert "unreadable results.json: metrics.til.final_acc is 'high', not a number" in out
+    """Each bad file gets a line naming its folder, results.json and what is wrong; the two sound runs are the row."""
+    sweep = tmp_path / "sweep"
+    said = damaged_sweep(sweep)
+    main([str(sweep), "--out", str(tmp_path / "out"), *(["--table", table] if table else [])])
+    out = capsys.readouterr().out
+    for job, why in said.items():
+        (line,) = [x for x in out.splitlines() if x.startswith(f"- {sweep / job} ")]
+        assert "results.json" in line and why in line, line
+    rows = list(csv.DictReader((tmp_path / "out.csv").open()))
+    if table is None:
+        (row,) = rows
+        assert row["runs"] == "2" and float(row["cil_final_acc_mean"]) == pytest.approx(60.5)
+    else:
+        (row,) = [r for r in rows if r["preset"] == "l2p_table1_ft_seq"]
+        assert row["runs"] == "2" and float(row["avg_acc_mean"]) == pytest.approx(60.5)
+
+
+def test_a_paper_table_lists_a_run_without_its_config_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without `config` a run's row cannot be checked: --table names it and leaves it out; the plain report, which
+    groups older files by what their header tells, still averages it."""
+    sweep = tmp_path / "sweep"
+    for seed in (0, 1):
+        run = write_run(sweep / str(seed), seed=seed, values={"cil.final_acc": 60.0 + seed})
+        (sweep / str(seed) / ".hydra").mkdir()
+        (sweep / str(seed) / ".hydra" / "overrides.yaml").write_text(f"- experiment=l2p_table1_ft_seq\n- seed={seed}\n")
+    del run["config"]
+    (sweep / "1" / "results.json").write_text(json.dumps(run))
+    main([str(sweep), "--table", "l2p_table1", "--out", str(tmp_path / "table")])
+    out = capsys.readouterr().out
+    assert f"- {sweep / '1'}: results.json has no `config`" in out
+    (row,) = [r for r in csv.DictReader((tmp_path / "table.csv").open()) if r["preset"] == "l2p_table1_ft_seq"]
+    assert row["runs"] == "1" and float(row["avg_acc_mean"]) == pytest.approx(60.0)
 
 
 def test_without_out_the_report_goes_beside_the_runs_it_reads(
@@ -269,23 +346,117 @@ def test_a_report_that_cannot_be_written_is_refused_before_reading(
     assert "Cannot write in the output folder /proc/nope" in capsys.readouterr().err
 
 
+SMALL = (  # the embedded default's benchmark (a table's protocol) on a one-block ViT, one epoch a task: seconds a run
+    "backbone.pretrained=false",
+    "backbone.img_size=16",
+    "backbone.kwargs.depth=1",
+    "backbone.kwargs.embed_dim=32",
+    "backbone.kwargs.num_heads=2",
+    "trainer.epochs=1",
+    "trainer.eval_random_init=false",
+)
+
+
 def test_the_method_tables_are_measured_and_written_between_their_markers(tmp_path: Path) -> None:
-    """`make table` on one method (shrunk to a second's run): both tables rewritten from its results.json, the text
-    around them kept."""
+    """`make table` on one method (shrunk to seconds a run by --set): both tables rewritten from its results.json,
+    the text around them kept, and each row naming the overrides that made it."""
     from clbench.method_table import main as table
-    from conftest import TINY
 
     readme = tmp_path / "README.md"
     blocks = [f"<!-- method-table: {s} -->\nold\n<!-- /method-table -->" for s in ("5 tasks", "3 tasks")]
     readme.write_text("intro\n" + "\nbetween\n".join(blocks) + "\nend\n")
-    table(["--readme", str(readme), "--methods", "finetune", "--set", *[o for o in TINY if "num_tasks" not in o]])
+    table(["--readme", str(readme), "--methods", "finetune", "--set", *SMALL])
     text = readme.read_text()
     assert text.startswith("intro\n") and "\nbetween\n" in text and text.endswith("end\n") and "old" not in text
-    rows = [line for line in text.splitlines() if line.startswith("| finetune |")]
+    rows = [line for line in text.splitlines() if line.startswith("| finetune ")]
     assert len(rows) == 2 and all(len(r.split("|")) == 8 for r in rows) and "Measured by `make table`" in text
+    marks = ", ".join(sorted(SMALL))
+    assert all(r.startswith(f"| finetune ({marks}) |") for r in rows)
     with pytest.raises(SystemExit) as refused:  # an unknown method is refused before any run, the README kept
         table(["--readme", str(readme), "--methods", "nope"])
     assert refused.value.code == 2 and readme.read_text() == text
+
+
+@pytest.mark.parametrize(
+    ("overrides", "said"),
+    [
+        (["method=finetune", "trainer.epochs=1"], "would measure method=finetune in the er row"),
+        (["data.num_tasks=2", "trainer.epochs=1"], "the 5 tasks table measures (data.num_tasks: null -> 2)"),
+        (
+            ["data=synthetic_tiny"],
+            "changes what the 5 tasks table measures (data.name: digits_5tasks -> synthetic_tiny",
+        ),
+        (["data.class_order_seed=7"], "(data.class_order_seed: 1993 -> 7)"),
+    ],
+)
+def test_make_table_refuses_overrides_that_would_put_another_run_in_a_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: list[str], said: str
+) -> None:
+    """Another method's numbers in a method's row, or another benchmark's (task count, class order) in a table: refused
+    before any run, the README untouched."""
+    from clbench import method_table
+
+    readme = tmp_path / "README.md"
+    before = table_readme(readme, ("er",))
+    monkeypatch.setattr(method_table, "measure", lambda *a: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as refused:
+        method_table.main(["--readme", str(readme), "--methods", "er", "--set", *overrides])
+    assert str(refused.value.code).startswith("clbench-table: --set ") and said in str(refused.value.code)
+    assert readme.read_bytes() == before
+
+
+def test_make_table_marks_a_row_measured_with_overrides(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--set trainer.epochs=1 memory.per_class=5`: the er rows carry those overrides beside the method's name."""
+    from clbench import method_table
+
+    readme = tmp_path / "README.md"
+    table_readme(readme, ("er", "derpp"))
+    monkeypatch.setattr(method_table, "measure", lambda m, o, f, e: {"method": m, "values": (9.0, 1.0, 8.0, 2.0, 3)})
+    method_table.main(["--readme", str(readme), "--methods", "er", "--set", "trainer.epochs=1", "memory.per_class=5"])
+    lines = readme.read_text().splitlines()
+    assert lines.count("| er (memory.per_class=5, trainer.epochs=1) | 9.0 | 1.0 | 8.0 | 2.0 | 3 |") == 2
+    assert lines.count("| derpp | 1.0 | 2.0 | 3.0 | 4.0 | 5 |") == 2
+
+
+def test_make_table_writes_no_row_from_a_run_that_is_not_the_rows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A child run whose results.json is another method's, or another config's, than its row's: no row from it."""
+    import subprocess
+
+    from clbench import method_table
+
+    rows = method_table.check_overrides(["er", "finetune", "classifier"], [])
+    expected = rows["5 tasks/er"]["config"]
+
+    def child(wrote: dict[str, Any]) -> Any:
+        def run(command: list[str], **kwargs: Any) -> subprocess.CompletedProcess:
+            folder = Path(command[-1].split("=", 1)[1])
+            folder.mkdir(parents=True)
+            metrics = {s: {"final_acc": 50.0, "forgetting": 1.0} for s in ("til", "cil")}
+            (folder / "results.json").write_text(json.dumps({"status": "finished", "metrics": metrics, **wrote}))
+            return subprocess.CompletedProcess(command, 0, "", "")
+
+        return run
+
+    finetune = {"method": "finetune", "benchmark": "digits_5tasks", "config": rows["5 tasks/finetune"]["config"]}
+    monkeypatch.setattr(method_table.subprocess, "run", child(finetune))
+    row = method_table.measure("er", (), tmp_path / "a", expected)
+    assert "values" not in row and "measured clbench.methods.finetune.Finetune, not the er row's" in row["error"]
+    other = copy.deepcopy(expected)
+    other["trainer"]["epochs"] = 1
+    monkeypatch.setattr(
+        method_table.subprocess, "run", child({"method": "er", "benchmark": "digits_5tasks", "config": other})
+    )
+    row = method_table.measure("er", (), tmp_path / "b", expected)
+    assert "values" not in row and "config is not its row's (trainer.epochs)" in row["error"]
+    fewer = {"method": "er", "benchmark": "digits_5tasks_first3", "config": expected}
+    monkeypatch.setattr(method_table.subprocess, "run", child(fewer))
+    row = method_table.measure("er", (), tmp_path / "c", expected)
+    assert "values" not in row and "measured digits_5tasks_first3, not the table's digits_5tasks" in row["error"]
+    classifier = rows["5 tasks/classifier"]["config"]  # finetune's class: results.json names its method finetune
+    monkeypatch.setattr(method_table.subprocess, "run", child({**finetune, "config": classifier}))
+    assert "values" in method_table.measure("classifier", (), tmp_path / "d", classifier)
 
 
 def table_readme(path: Path, methods: tuple[str, ...]) -> bytes:
@@ -311,7 +482,7 @@ def test_make_table_writes_only_finished_rows_and_keeps_every_other(
     readme = tmp_path / "README.md"
     before = table_readme(readme, METHODS)
     outcome = {"simplecil": {"values": (90.0, 0.0, 80.0, 5.0, 7.0)}, "finetune": {"error": "ConfigError"}}
-    monkeypatch.setattr(method_table, "measure", lambda m, o, f: {"method": m, **outcome[m]})
+    monkeypatch.setattr(method_table, "measure", lambda m, o, f, e: {"method": m, **outcome[m]})
     method_table.main(["--readme", str(readme), "--methods", "simplecil"])
     lines = readme.read_text().splitlines()
     assert lines.count("| simplecil | 90.0 | 0.0 | 80.0 | 5.0 | 7 |") == 2
@@ -395,3 +566,59 @@ def test_keys_added_to_the_config_later_set_runs_apart_only_where_they_differ_fr
     text, _ = report(tmp_path, capsys)
     rows = markdown_rows(text)
     assert {r["setting"]: r["runs"] for r in rows} == {"protocol=clbench": "2", "protocol=P": "1"}
+
+
+def test_runs_on_one_weights_file_share_a_row_whatever_its_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hub's copy and a local copy of one file (one SHA-256) are one setting; another file is another row."""
+    for seed, (path, sha) in enumerate([(None, "a" * 64), ("/copy/vit.npz", "a" * 64), ("/copy/vit.npz", "b" * 64)]):
+        changes = {"backbone.weights": path, "backbone.pretrained": path is None}
+        recorded = {"weights_file": path or "/hub/model.safetensors", "weights_sha256": sha}
+        write_run(tmp_path / "sweep" / str(seed), seed=seed, changes=changes, backbone_config=recorded)
+    _, rows = report(tmp_path, capsys)
+    assert sorted((r["runs"], r["setting"]) for r in rows) == [
+        ("1", "weights_sha256=bbbbbbbbbbbb"),
+        ("2", "weights_sha256=aaaaaaaaaaaa"),
+    ]
+
+
+def test_rows_of_different_protocols_are_labelled_and_said_to_be(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DER++ on the first 2 of 5 tasks beside finetune on all 5, and finetune under another class order: the benchmark
+    says how many tasks ran, a protocol column names what sets each row's protocol apart, and a note says the rows
+    must not be compared across protocols. One protocol: no column, no note."""
+    derpp = {"method._target_": "clbench.methods.derpp.DERPP", "data.num_tasks": 2}
+    for job, changes, method in (
+        ("0", derpp, "derpp"),
+        ("1", {"data.num_tasks": None}, "finetune"),
+        ("2", {"data.num_tasks": None, "data.class_order_seed": 7}, "finetune"),
+    ):
+        write_run(
+            tmp_path / "sweep" / job, method=method, changes={"data.tasks": 5, "data.class_order_seed": 1993} | changes
+        )
+    text, rows = report(tmp_path, capsys)
+    expected = [
+        ("derpp", "synthetic_tiny_first2", "class_order_seed=1993, num_tasks=2"),
+        ("finetune", "synthetic_tiny", "class_order_seed=1993, num_tasks=5"),
+        ("finetune", "synthetic_tiny", "class_order_seed=7, num_tasks=5"),
+    ]
+    assert sorted((r["method"], r["benchmark"], r["protocol"]) for r in markdown_rows(text)) == expected
+    assert sorted((r["method"], r["benchmark"], r["protocol"]) for r in rows) == expected
+    assert "compare rows of one protocol only" in text
+    assert "Protocol" in (tmp_path / "report.tex").read_text()
+    (tmp_path / "sweep" / "0" / "results.json").unlink()
+    (tmp_path / "sweep" / "2" / "results.json").unlink()
+    text, rows = report(tmp_path, capsys)
+    assert rows[0]["protocol"] == "" and "protocol" not in text.splitlines()[0]
+
+
+def test_a_metric_the_checker_cannot_recompute_is_still_held_to_its_range() -> None:
+    """A metric beside the ones computed from the matrix (a micro accuracy, say): a number, an accuracy in [0, 100]
+    unless it is a forgetting, BWT or FWT."""
+    from clbench.results_check import metric_problem
+
+    assert metric_problem("final_acc_micro", -5.0, "m") == "m is -5.0, outside [0, 100]"
+    assert metric_problem("forgetting_micro", -5.0, "m") is None
+    assert metric_problem("avg_incremental_acc_micro", "x", "m") == "m is 'x', not a number"

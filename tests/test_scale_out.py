@@ -36,7 +36,9 @@ def test_parallel_launchers_run_every_job_grouped_in_wandb(tmp_path: Path, launc
     runs = results(sweep)
     assert [r["seed"] for r in runs] == [0, 1] and all(r["status"] == "finished" for r in runs)
     groups = {r["wandb"]["group"] for r in runs}  # one W&B group: the runs differ in their seed alone
-    assert groups == {setting_name(runs[0]["config"])} and groups.pop().startswith("finetune-synthetic_tiny-vit_micro-")
+    weights = runs[0]["backbone_config"]["weights_sha256"]
+    assert groups == {setting_name(runs[0]["config"], weights)}
+    assert groups.pop().startswith(f"finetune-{runs[0]['benchmark']}-vit_micro-")
     assert [f"seed={s}" in r["wandb"]["name"].split(",") for s, r in enumerate(runs)] == [True, True]  # by overrides
     assert len({r["wandb"]["id"] for r in runs}) == 2
 

@@ -136,7 +136,7 @@ def rows(
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
         shown = "required" if f.default is f.default_factory is dataclasses.MISSING else code(literal(default))
-        cells = [f"`{prefix}{f.name}`", code(str(f.type)), shown]
+        cells = [key_cell(f"{prefix}{f.name}"), code(str(f.type)), shown]
         if sets is not None:
             cells.append(code(literal(sets[f.name])) if f.name in sets and sets[f.name] != default else "")
         cells.append(escape(notes.get(f.name, "")))
@@ -196,6 +196,12 @@ def literal(value: Any) -> str:
 
 def code(text: str) -> str:
     return f"`{text}`" if text else ""
+
+
+def key_cell(key: str) -> str:
+    """A dotted key as code that breaks only after its dots (``<wbr>``; the stylesheet keeps the rest whole), so that
+    ``data.synthetic_train_per_class`` never wraps inside a word."""
+    return '<code class="config-key">' + ".<wbr>".join(key.split(".")) + "</code>"
 
 
 def escape(text: str) -> str:

@@ -42,6 +42,7 @@ class Cursor:
     optimizer: dict[str, Any] | None = None
     schedule: dict[str, Any] | None = None
     plateau: dict[str, Any] | None = None  # trainer.schedule=plateau: the schedule's state and best weights
+    diagnostics: dict[str, Any] | None = None  # the method's logged values summed over the phase's steps so far
 
 
 @dataclass

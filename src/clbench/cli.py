@@ -20,7 +20,7 @@ from hydra.types import RunMode
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 
-from clbench.config import GROUPS, RunConfig, closest, config_dir, validate
+from clbench.config import RunConfig, config_dir, full_config, validate
 from clbench.errors import ClbenchError, ConfigError, DataError, Interrupted, Preempted
 from clbench.files import (
     CHECKPOINT_FILE,
@@ -34,8 +34,11 @@ from clbench.files import (
     unlock_run_folder,
     write_atomic,
 )
+from clbench.hints import HeldStderr, explain
 from clbench.inert import inert_settings, overridden_keys
+from clbench.rerun import left_behind, resume_command
 from clbench.sweep_folders import remember_swept
+from clbench.sweep_summary import DONE, FAILED, REFUSED, STARTED, STOPPED, record, said_before
 
 log = logging.getLogger("clbench")
 
@@ -241,53 +244,78 @@ def warn_inert(cfg: RunConfig, overrides: list[str]) -> None:
 def app(cfg: DictConfig) -> float | None:
     """One job. Returns ``objective`` (e.g. the validation CIL final accuracy), the value a Hydra sweeper (Optuna)
     optimises, or None without one; a job that fails in a sweep returns NaN, which Optuna records as a failed
-    trial."""
+    trial, and records its outcome for the sweep's summary (:mod:`clbench.sweep_summary`)."""
+    HeldStderr.release()  # the config composed: what Hydra said meanwhile (warnings) is said now
     hydra_cfg = HydraConfig.get()
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    folder, overrides = Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task)
+
+    def ended(outcome: str, reason: str | None = None) -> None:
+        if multirun:
+            record(Path(hydra_cfg.sweep.dir), int(hydra_cfg.job.num), outcome, reason)
+
+    ended(STARTED)
     try:
         run_cfg = requeued(validate(cfg))
         check_sweep_objective(run_cfg, str(hydra_cfg.sweeper.get("_target_", "")))
-        warn_inert(run_cfg, list(hydra_cfg.overrides.task))
+        warn_inert(run_cfg, overrides)
         if multirun:
             share_cores(hydra_cfg.launcher)
         from clbench import distributed  # heavy imports (torch, timm) only once the config is known to be valid
         from clbench.loop import train
 
         ranks = distributed.init(run_cfg.trainer.device)
-        run_dir = Path(ranks.broadcast(hydra_cfg.runtime.output_dir))  # torchrun: rank 0's folder for every rank
-        results = train(
-            run_cfg,
-            run_dir,
-            name=hydra_cfg.job.override_dirname or None,
-        )
+        run_dir = Path(ranks.broadcast(str(folder)))  # torchrun: rank 0's folder for every rank
+        if not multirun and ranks.is_main:
+            warn_left_behind(run_cfg, run_dir, overrides)
+        results = train(run_cfg, run_dir, name=hydra_cfg.job.override_dirname or None)
         RunFolderGuard.put_back()  # a finished run resumed: nothing was written, its folder is given back as it was
+        ended(DONE)
         value = results.objective["value"] if results.objective else None
         return math.nan if run_cfg.objective is not None and value is None else value
     except Preempted as err:
         print(
-            f"\nclbench: {err}. A checkpoint is in {hydra_cfg.runtime.output_dir}; continue with the same command and "
-            "resume=true (and hydra.run.dir set to that folder).",
+            f"\nclbench: {err}. Its checkpoint is in {folder}; to go on where it stopped, run:\n"
+            f"  {resume_command(folder, overrides)}",
             file=sys.stderr,
         )
+        ended(STOPPED, str(err))
         hand_on(err.signum)
         if multirun:
             return math.nan
         sys.exit(0)
     except ClbenchError as err:
-        report(str(err))
+        outcome = FAILED if began_writing(folder) else REFUSED
+        first = said_before(str(err), int(hydra_cfg.job.num)) if multirun else None
+        report(str(err) if first is None else f"job {hydra_cfg.job.num} {outcome}: as job {first}, above.")
+        ended(outcome, str(err))
         RunFolderGuard.put_back()
         if multirun:  # one bad job must not end the sweep; its results.json (if any) says failed
-            remove_refused_job(Path(hydra_cfg.runtime.output_dir))
+            remove_refused_job(folder)
             return math.nan
         sys.exit(2)
-    except Exception:
+    except Exception as err:
         if not multirun:
             raise
         log.exception("job %s failed; the sweep goes on", hydra_cfg.job.num)
+        ended(FAILED, f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}")
         return math.nan
 
 
+def warn_left_behind(cfg: RunConfig, run_dir: Path, overrides: list[str]) -> None:
+    """A new run (not resumed) whose command stopped before, in another folder: say so, and how to resume that one
+    (:mod:`clbench.rerun`)."""
+    resuming = cfg.resume is True or (cfg.resume == "auto" and (run_dir / "checkpoint.pt").is_file())
+    said = None if resuming else left_behind(run_dir, full_config(cfg), overrides)
+    if said:
+        report(said, logging.WARNING)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["check"]:  # `clbench check <overrides>`: the run's prerequisites, and nothing else
+        from clbench.check import main as check
+
+        sys.exit(check(sys.argv[2:]))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # torchrun's ranks, read without importing torch (--help stays fast)
         if {"-m", "--multirun"} & set(sys.argv[1:]):
             sys.exit("clbench: torchrun runs one job over several processes; run sweeps with -m without torchrun.")
@@ -295,38 +323,17 @@ def main() -> None:
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra.run.dir=."]
     for sig in (signal.SIGINT, signal.SIGTERM):  # the training loop installs its own handlers while it runs
         signal.signal(sig, interrupted)
+    held = HeldStderr.hold()
     try:
         app()
-    except SystemExit as err:  # Hydra reports a bad override or config (printed already) with exit code 1
+    except SystemExit as err:  # Hydra reports a bad override or config (held, not printed yet) with exit code 1
         if err.code == 1 and isinstance(err.__context__, HydraException):
-            hint = did_you_mean(err.__context__)
-            print(f"clbench: {hint}" if hint else "", file=sys.stderr)
+            hint = explain(err.__context__, sys.argv[1:])
+            held.release(instead=f"clbench: {hint}\n" if hint else None)
             sys.exit(2)  # a user error, as every other one
         raise
-
-
-def did_you_mean(error: HydraException) -> str | None:
-    """For a key a group's schema does not have (``trainer.fooo=1``, or ``method.lamda=0.5`` for the method the
-    command line chose), the closest key it has."""
-    full_key = str(getattr(error.__cause__, "full_key", "") or "")
-    group, _, key = full_key.rpartition(".")
-    schema = GROUPS.get(group) if group != "method" else chosen_method_config(sys.argv[1:])
-    match = closest(key, [f.name for f in dataclasses.fields(schema)]) if schema is not None and key else None
-    return f"did you mean `{group}.{match}`?" if match else None
-
-
-def chosen_method_config(argv: list[str]) -> type | None:
-    """The ``Config`` dataclass of the method a command line chose (directly or through a preset): the config
-    composed again without its ``method.*`` keys. None where that cannot be said (a sweep over methods, say)."""
-    from hydra import compose, initialize_config_dir
-
-    overrides = [a for a in argv if "=" in a and not a.startswith("-") and not a.lstrip("+~").startswith("method.")]
-    try:
-        with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-            target = compose("config", overrides=overrides).method._target_
-        return get_class(str(target)).Config
-    except Exception:  # the command line has another error too, or sweeps the method: no suggestion
-        return None
+    finally:
+        held.release()
 
 
 if __name__ == "__main__":

@@ -420,6 +420,7 @@ class RunConfig:
     resume: bool | str = False  # True | False | "auto" (resume only where a checkpoint exists)
     objective: str | None = None  # the metric a job returns to a sweeper, e.g. validation.cil.final_acc
     objective_on_test: bool = False  # let `objective` read a test metric (selection on test: opt-in, warned)
+    smoke: bool = False  # a few images a class and one step a phase: the run end to end in a minute, never a result
 
 
 GROUPS = {
@@ -487,7 +488,7 @@ def require_finite(config: Any, key: str) -> None:
 
 def validate(cfg: DictConfig) -> RunConfig:
     """Check the whole composed config; return it typed. Raises :class:`ConfigError` with a clear message."""
-    allowed = {*GROUPS, "method", "seed", "resume", "objective", "objective_on_test"}
+    allowed = {*GROUPS, "method", "seed", "resume", "objective", "objective_on_test", "smoke"}
     refuse_unknown(cfg.keys(), sorted(allowed), "the top level")
     groups = {key: _typed(schema, cfg.get(key), key) for key, schema in GROUPS.items()}
     method_node = cfg.get("method")
@@ -544,6 +545,8 @@ def validate(cfg: DictConfig) -> RunConfig:
     require(isinstance(on_test, bool), "objective_on_test", on_test, "true or false")
     if objective is not None:
         check_objective(str(objective), on_test, groups["data"])
+    smoke = cfg.get("smoke", False)
+    require(isinstance(smoke, bool), "smoke", smoke, "true or false")
     run = RunConfig(
         **groups,
         method=method,
@@ -552,9 +555,14 @@ def validate(cfg: DictConfig) -> RunConfig:
         resume=resume,
         objective=None if objective is None else str(objective),
         objective_on_test=on_test,
+        smoke=smoke,
     )
     method_cls.check_run(run)
-    return run
+    if not smoke:
+        return run
+    from clbench.smoke import shrunk
+
+    return shrunk(run)
 
 
 def check_backbone(backbone: BackboneConfig, data: DataConfig) -> None:

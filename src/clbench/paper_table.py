@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from clbench.comparable import differing_keys, is_setting, setting
+from clbench.comparable import differing_keys, is_setting, run_setting, setting_key
 from clbench.errors import ConfigError
 from clbench.metrics import NAMES, parse_objective
 
@@ -135,47 +134,76 @@ def hydra_choice(folder: Path, group: str) -> str | None:
     return None if choice in (None, "null") else str(choice)
 
 
-def job_preset(folder: Path) -> tuple[str | None, list[str]]:
-    """The experiment preset of the job in ``folder`` and its other overrides that can change the numbers."""
-    preset, extra = None, []
+# Overrides of a row's preset that are judged by what they loaded, not by how they are spelled: the weights file's
+# SHA-256 (results.json records it) says whether a run used the row's weights, whatever the path.
+BY_HASH = ("backbone.weights",)
+
+
+def job_preset(folder: Path) -> tuple[str | None, list[str], list[str]]:
+    """The experiment preset of the job in ``folder``, its other overrides that can change the numbers, and those of
+    them judged by the file they loaded (:data:`BY_HASH`)."""
+    preset, extra, by_hash = None, [], []
     for override in hydra_overrides(folder):
         key, _, value = override.lstrip("+~").partition("=")
         if key == "experiment":
             preset = value
+        elif key in BY_HASH:
+            by_hash.append(override)
         elif not key.startswith(("hydra.", "hydra/")) and key != "hydra" and is_setting(key):
             extra.append(override)
-    return preset or hydra_choice(folder, "experiment"), extra
+    return preset or hydra_choice(folder, "experiment"), extra, by_hash
 
 
-def place(table: PaperTable, runs: list[Run]) -> tuple[dict[str, list[Run]], list[Apart]]:
-    """The runs of each preset row (one config each), and the runs listed apart with the reason."""
+def weights_sha(run: Run) -> str | None:
+    recorded = run.get("backbone_config")
+    sha = recorded.get("weights_sha256") if isinstance(recorded, dict) else None
+    return sha if isinstance(sha, str) else None
+
+
+def why_apart(table: PaperTable, run: Run, presets: set[str]) -> tuple[str | None, str | None, list[str]]:
+    """The run's row preset, or why it is not a row's run; and its overrides judged by their hash, with the hash."""
+    preset, extra, by_hash = job_preset(Path(run.get(FOLDER, ".")))
+    if preset not in presets:
+        named = f"experiment={preset}" if preset else "no experiment preset recorded in .hydra/"
+        return None, f"not a row of {table.name} ({named})", []
+    if extra:
+        return None, f"row preset {preset} with other settings: {' '.join(extra)}", []
+    if not isinstance(run.get("config"), dict):
+        return None, "results.json has no `config`: whether the run matches its row's preset cannot be checked", []
+    if by_hash and weights_sha(run) is None:
+        return None, f"row preset {preset} with {' '.join(by_hash)}, and no SHA-256 of the weights it loaded", []
+    sha = weights_sha(run)
+    return preset, None, [f"{o} (SHA-256 {sha[:12]}...)" for o in by_hash if sha]
+
+
+def place(table: PaperTable, runs: list[Run]) -> tuple[dict[str, list[Run]], list[Apart], dict[str, list[str]]]:
+    """The runs of each preset row (one setting each: weights counted by their hash), the runs listed apart with the
+    reason, and per row the overrides of its preset its runs were made with."""
     presets = {r.preset for r in table.rows if r.preset}
-    by_preset: dict[str, list[Run]] = defaultdict(list)
+    by_preset: dict[str, list[tuple[Run, list[str]]]] = defaultdict(list)
     apart = []
     for run in runs:
-        folder = Path(run.get(FOLDER, "."))
-        preset, extra = job_preset(folder)
-        if preset not in presets:
-            named = f"experiment={preset}" if preset else "no experiment preset recorded in .hydra/"
-            apart.append(Apart(folder, f"not a row of {table.name} ({named})"))
-        elif extra:
-            apart.append(Apart(folder, f"row preset {preset} with other settings: {' '.join(extra)}"))
+        preset, reason, hashed = why_apart(table, run, presets)
+        if preset is None:
+            apart.append(Apart(Path(run.get(FOLDER, ".")), str(reason)))
         else:
-            by_preset[preset].append(run)
-    rows = {}
+            by_preset[preset].append((run, hashed))
+    rows, overrides = {}, {}
     for preset, members in by_preset.items():
-        groups: dict[str, list[Run]] = defaultdict(list)
-        for run in members:
-            groups[json.dumps(setting(run["config"]), sort_keys=True, default=str)].append(run)
-        ranked = sorted(groups.values(), key=len, reverse=True)
-        rows[preset] = ranked[0]
+        groups: dict[str, list[tuple[Run, list[str]]]] = defaultdict(list)
+        for member in members:
+            groups[setting_key(member[0])].append(member)
+        # the largest group of one setting is the row; between equals, the one made without overrides of the preset
+        ranked = sorted(groups.values(), key=lambda g: (len(g), not any(h for _, h in g)), reverse=True)
+        rows[preset] = [run for run, _ in ranked[0]]
+        overrides[preset] = sorted({o for _, hashed in ranked[0] for o in hashed})
         for other in ranked[1:]:
-            keys = differing_keys([ranked[0][0]["config"], other[0]["config"]])
+            keys = differing_keys([run_setting(ranked[0][0][0]), run_setting(other[0][0])])
             reason = (
-                f"row preset {preset}, but a different config from its {len(ranked[0])} other runs ({', '.join(keys)})"
+                f"row preset {preset}, but a different setting from its {len(ranked[0])} other runs ({', '.join(keys)})"
             )
-            apart += [Apart(Path(r.get(FOLDER, ".")), reason) for r in other]
-    return rows, sorted(apart, key=lambda a: str(a.folder))
+            apart += [Apart(Path(r.get(FOLDER, ".")), reason) for r, _ in other]
+    return rows, sorted(apart, key=lambda a: str(a.folder)), overrides
 
 
 # ------------------------------------------------------------------------------------------------------- the values
@@ -248,13 +276,14 @@ class Line:
     row: PaperRow
     runs: list[Run]
     cells: list[Cell]
+    overrides: list[str] = field(default_factory=list)  # of the row's preset, that its runs were made with
 
     @property
     def reconstructed(self) -> bool:
         return any(r.get("reconstructed") for r in self.runs)
 
 
-def lines(table: PaperTable, rows: dict[str, list[Run]]) -> list[Line]:
+def lines(table: PaperTable, rows: dict[str, list[Run]], overrides: dict[str, list[str]]) -> list[Line]:
     out = []
     for row in table.rows:
         runs = rows.get(row.preset, []) if row.preset else []
@@ -263,7 +292,7 @@ def lines(table: PaperTable, rows: dict[str, list[Run]]) -> list[Line]:
             values = [v for v in (read(r, column.reads) for r in runs) if v is not None]
             ours = mean_std(values) if values else None
             cells.append(Cell(ours, row.published.get(column.key), column.reads is not None))
-        out.append(Line(row, runs, cells))
+        out.append(Line(row, runs, cells, overrides.get(row.preset, []) if row.preset else []))
     return out
 
 
@@ -293,8 +322,23 @@ def texts(line: Line, pm: str, dash: str) -> list[str]:
 RECONSTRUCTED = "† reconstructed method (results.json `reconstructed: true`): not the paper's method."
 
 
+OVERRIDDEN = "* made with overrides of the row's preset (weights: the same file, by its SHA-256, for every run):"
+
+
 def label(line: Line, mark: str = "†") -> str:
-    return line.row.label + (f" {mark}" if line.reconstructed else "")
+    """The paper's label, with † for a reconstructed method and * where the runs overrode the row's preset."""
+    return line.row.label + (f" {mark}" if line.reconstructed else "") + (" *" if line.overrides else "")
+
+
+def notes(table_lines: list[Line]) -> list[str]:
+    """The legends under the table: † where a row is reconstructed, and each row made with overrides of its preset."""
+    made = [
+        f"{line.row.label}{f' ({line.row.buffer})' if line.row.buffer else ''}: {', '.join(line.overrides)}"
+        for line in table_lines
+        if line.overrides
+    ]
+    reconstructed = [RECONSTRUCTED] if any(line.reconstructed for line in table_lines) else []
+    return reconstructed + ([f"{OVERRIDDEN} {'; '.join(made)}."] if made else [])
 
 
 def headers(table: PaperTable) -> list[str]:
@@ -325,12 +369,11 @@ def markdown(table: PaperTable, table_lines: list[Line], apart: list[Apart], oth
         cells = [label(line), *buf, line.row.preset or "(no preset)", str(len(line.runs)) if line.runs else ""]
         cells += texts(line, "±", "–")
         out.append("| " + " | ".join(c.replace("|", r"\|") for c in cells) + " |")
-    if any(line.reconstructed for line in table_lines):
-        out += ["", RECONSTRUCTED]
+    out += [text for note in notes(table_lines) for text in ("", note)]
     if apart:
         out += ["", f"Not rows of this table (not averaged): {len(apart)}", *[f"- {a}" for a in apart]]
     if others:
-        out += ["", "Not averaged (did not finish, unreadable or duplicates):", *[f"- {o}" for o in others]]
+        out += ["", "Not averaged (did not finish, not reportable or duplicates):", *[f"- {o}" for o in others]]
     return "\n".join(out) + "\n"
 
 
@@ -372,16 +415,16 @@ def latex(table: PaperTable, table_lines: list[Line]) -> str:
         "\n".join(
             [
                 f"% {table.title}. Published: {table.citation}",
-                *booktabs(spec, head, body, any(line.reconstructed for line in table_lines)),
+                *booktabs(spec, head, body, notes(table_lines)),
             ]
         )
         + "\n"
     )
 
 
-def booktabs(spec: str, head: str, body: list[str], reconstructed: bool) -> list[str]:
-    """A booktabs tabular of column ``spec``: ``head``, the ``body`` rows and the † legend where a row is
-    reconstructed."""
+def booktabs(spec: str, head: str, body: list[str], notes: list[str]) -> list[str]:
+    """A booktabs tabular of column ``spec``: ``head``, the ``body`` rows and the ``notes`` (the † legend, ...) as
+    rows spanning every column below the rule."""
     return [
         rf"\begin{{tabular}}{{{spec}}}",
         r"\toprule",
@@ -389,22 +432,16 @@ def booktabs(spec: str, head: str, body: list[str], reconstructed: bool) -> list
         r"\midrule",
         *body,
         r"\bottomrule",
-        *legend_row(len(spec), reconstructed),
+        *[rf"\multicolumn{{{len(spec)}}}{{l}}{{\footnotesize {tex_escape(n.replace('`', ''))}}} \\" for n in notes],
         r"\end{tabular}",
     ]
-
-
-def legend_row(columns: int, reconstructed: bool) -> list[str]:
-    """The † legend as a tabular row spanning ``columns`` (none without a reconstructed row)."""
-    text = tex_escape(RECONSTRUCTED.replace("`", ""))
-    return [rf"\multicolumn{{{columns}}}{{l}}{{\footnotesize {text}}} \\"] if reconstructed else []
 
 
 def report(name: str, runs: list[Run], others: list[Any]) -> dict[str, str]:
     """The table ``name`` over ``runs`` as {suffix: text} (.md, .csv, .tex); ``others``: runs not averaged anyway."""
     table = load_table(name)
-    rows, apart = place(table, runs)
-    table_lines = lines(table, rows)
+    rows, apart, overrides = place(table, runs)
+    table_lines = lines(table, rows, overrides)
     return {
         ".md": markdown(table, table_lines, apart, others),
         ".csv": csv_text(table, table_lines),

@@ -30,6 +30,9 @@ def needed_datasets(cfg: DataConfig) -> list[str]:
     return [] if name in MADE_WITHOUT_FILES or name is None else [name]
 
 
+Status = tuple[bool, str]  # whether a prerequisite is there (or will be fetched), and a line saying so
+
+
 def missing_paths(name: str, cfg: DataConfig, root: Path) -> list[Path]:
     """The paths of dataset ``name`` that are not there: none when it can be read (an image folder, one that stands
     in for a built-in layout, a built-in layout, or one ``data.download=true`` fetches)."""
@@ -44,26 +47,32 @@ def missing_paths(name: str, cfg: DataConfig, root: Path) -> list[Path]:
     return [root / path for path in files.needs if not (root / path).exists()] or [folder]
 
 
-def missing_datasets(cfg: DataConfig) -> list[str]:
-    """One line for each dataset that is neither on disk nor fetched by ``data.download=true``: every missing path,
-    the layout, the archive and where it comes from."""
+def datasets_status(cfg: DataConfig) -> list[Status]:
+    """For each dataset the benchmark reads: on disk, fetched by ``data.download=true``, or missing (every missing
+    path, the layout, the archive and where it comes from)."""
     root = Path(cfg.root).expanduser().resolve()
     lines = []
     for name in dict.fromkeys(needed_datasets(cfg)):
+        files = dataset_files(name, cfg.protocol)
         missing = missing_paths(name, cfg, root)
         if not missing:
+            fetched = name in BUILT_IN and not files.present(root) and not reads_folder(name, cfg)
+            there = f"fetched into {root} by data.download=true" if fetched else f"in {root}/{files.layout}"
+            lines.append((True, f"{name}: {files.title} ({files.size}), {there}"))
             continue
-        files = dataset_files(name, cfg.protocol)
         if files.archive:
             fetch = f"Get {files.archive} (MD5 {files.md5}) from {files.url} and extract it into {root}"
         else:
             how = "or run with data.download=true" if files.downloads else "and copy it there (data.download cannot)"
             fetch = f"Get it from {files.url} {how}"
-        lines.append(
-            f"{name}: {files.title} ({files.size}), expected as {root}/{files.layout}; missing: "
-            f"{', '.join(map(str, missing))}. {fetch}."
-        )
+        where = f"expected as {root}/{files.layout}; missing: {', '.join(map(str, missing))}"
+        lines.append((False, f"{name}: {files.title} ({files.size}), {where}. {fetch}."))
     return lines
+
+
+def missing_datasets(cfg: DataConfig) -> list[str]:
+    """One line for each dataset that is neither on disk nor fetched by ``data.download=true``."""
+    return [line for there, line in datasets_status(cfg) if not there]
 
 
 def hub_reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
@@ -87,23 +96,32 @@ def hub_reachable(url: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     return bool(answer and answer[0])
 
 
-def missing_weights(cfg: BackboneConfig) -> list[str]:
-    """One line if the backbone's weights file is missing: a local or shipped file that does not exist, or hub
-    weights that are in no local cache while the hub cannot be reached (``HF_HUB_OFFLINE=1``, or no network)."""
+def weights_status(cfg: BackboneConfig) -> Status:
+    """Where the backbone's weights come from (a local or shipped file, the hub's cache, the hub, none: a random
+    initialisation), or why they cannot be had: a file that does not exist, or hub weights in no local cache while the
+    hub cannot be reached (``HF_HUB_OFFLINE=1``, or no network)."""
     from clbench.backbones.timm_vit import SHIPPED_WEIGHTS, local_weights
 
     local = local_weights(cfg)
+    if local is None and not (cfg.pretrained and cfg.tag not in SHIPPED_WEIGHTS):
+        return True, f"none: {cfg.name} starts from a random initialisation (backbone.pretrained=false)"
     if local is None:
-        return missing_hub_weights(cfg) if cfg.pretrained and cfg.tag not in SHIPPED_WEIGHTS else []
+        return hub_weights(cfg)
     if local.is_file():
-        return []
+        return True, f"the file {local}"
     if cfg.weights:
-        return [f"backbone.weights={cfg.weights}: no such file. Point backbone.weights at the checkpoint."]
-    return [f"The shipped weights {local} are missing: run `make weights` to regenerate them."]
+        return False, f"backbone.weights={cfg.weights}: no such file. Point backbone.weights at the checkpoint."
+    return False, f"The shipped weights {local} are missing: run `make weights` to regenerate them."
 
 
-def missing_hub_weights(cfg: BackboneConfig) -> list[str]:
-    """:func:`missing_weights` for weights timm downloads (the Hugging Face hub, or a URL)."""
+def missing_weights(cfg: BackboneConfig) -> list[str]:
+    """One line if the backbone's weights cannot be had (:func:`weights_status`)."""
+    there, line = weights_status(cfg)
+    return [] if there else [line]
+
+
+def hub_weights(cfg: BackboneConfig) -> Status:
+    """:func:`weights_status` for weights timm downloads (the Hugging Face hub, or a URL)."""
     import timm
     from huggingface_hub import constants
 
@@ -113,16 +131,19 @@ def missing_hub_weights(cfg: BackboneConfig) -> list[str]:
     try:
         source = timm.models.get_pretrained_cfg(name).to_dict()
     except Exception:  # an unknown model or tag: build_backbone refuses it with the allowed names
-        return []
+        return True, f"{name}: not a pretrained config timm knows (the run refuses it with the allowed names)"
     url = constants.ENDPOINT if source.get("hf_hub_id") else str(source.get("url") or "")
-    if cached_download(source) is not None or (not constants.HF_HUB_OFFLINE and hub_reachable(url)):
-        return []
+    cached = cached_download(source)
+    if cached is not None:
+        return True, f"{name}, in the local cache: {cached}"
+    if not constants.HF_HUB_OFFLINE and hub_reachable(url):
+        return True, f"{name}, downloaded from {urlparse(url).hostname} when the run starts"
     why = "HF_HUB_OFFLINE=1" if constants.HF_HUB_OFFLINE else f"{urlparse(url).hostname} cannot be reached"
-    return [
+    return False, (
         f"Pretrained weights {name} (backbone.tag={cfg.tag}): not in the local cache, and {why}. Download them once "
         f"where there is network (python -c \"import timm; timm.create_model('{name}', pretrained=True)\") or pass a "
         "local file: backbone.weights=PATH (.safetensors, .pth or .npz)."
-    ]
+    )
 
 
 def check_prerequisites(data: DataConfig, backbone: BackboneConfig) -> None:

@@ -51,11 +51,23 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from clbench import paper_table
-from clbench.comparable import LATER_KEYS, differing_keys, setting, short_names
+from clbench.comparable import (
+    LATER_KEYS,
+    WEIGHTS_HASH,
+    benchmark_label,
+    compact,
+    config_of,
+    differing_keys,
+    protocol,
+    run_setting,
+    setting_key,
+    short_names,
+)
 from clbench.errors import ConfigError
 from clbench.files import check_writable, write_atomic
 from clbench.metrics import stored_bits
 from clbench.paper_table import RECONSTRUCTED, booktabs, tex_escape
+from clbench.results_check import is_number, problem
 
 Run = dict[str, Any]
 SCENARIOS = ("til", "cil")
@@ -93,6 +105,7 @@ class Row:
     benchmark: str
     setting: str
     runs: list[Run]
+    protocol: str = ""  # the protocol keys that set it apart where the rows come from several protocols
 
     @property
     def reconstructed(self) -> bool:
@@ -156,18 +169,6 @@ def find_jobs(paths: list[Path]) -> list[Path]:
     return sorted({p.parent.resolve() for path in paths if path.is_dir() for p in path.rglob(".hydra") if p.is_dir()})
 
 
-def config_of(run: Run) -> dict[str, Any]:
-    """The run's resolved config; for an older results.json without one, what its header tells."""
-    if "config" in run:
-        return run["config"]
-    backbone = {k: v for k, v in run.get("backbone_config", {}).items() if k not in ("weights_file", "weights_sha256")}
-    return {
-        "method": {"_target_": run["method"], **run.get("method_config", {})},
-        "backbone": backbone,
-        "data": {"name": run["benchmark"]},
-    }
-
-
 def overrides(folder: Path) -> list[str]:
     """The job's command-line overrides from .hydra/overrides.yaml (none when absent or unreadable)."""
     try:
@@ -194,44 +195,30 @@ def skipped(folder: Path, reason: str) -> Skipped:
 
 
 def read_run(path: Path) -> Run | Skipped:
-    """A finished run, or why it is not averaged (status and the failure's first line, or unreadable)."""
+    """A finished run whose numbers can be reported, or why it is listed instead: its status and failure's first line,
+    a file that is not JSON, a smoke run, or numbers that are not numbers, out of range or contradicted by its own
+    matrices (:mod:`clbench.results_check`)."""
     try:
-        run = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as err:
-        return skipped(path.parent, f"unreadable results.json: {err}")
+        run = json.loads(path.read_bytes().decode())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        return skipped(path.parent, f"unreadable results.json: {type(err).__name__}: {err}")
     if not isinstance(run, dict):
         return skipped(path.parent, "unreadable results.json: not an object")
     status = str(run.get("status", "unknown"))
     if status != "finished":
         failure = str(run.get("failure") or "").strip().splitlines()
         return skipped(path.parent, status + (f": {failure[0]}" if failure else ""))
+    if run.get("smoke"):
+        return skipped(path.parent, "a smoke run (smoke=true: a few images and steps a task), not a result")
     missing = [k for k in REQUIRED if k not in run]
     if missing:
         return skipped(path.parent, f"incomplete results.json: no {', '.join(missing)}")
-    wrong = malformed(run)
-    return skipped(path.parent, f"unreadable results.json: {wrong}") if wrong else run
+    wrong = problem(run) or cost_problem(run)
+    return skipped(path.parent, f"results.json not reported: {wrong}") if wrong else run
 
 
-def is_number(value: Any) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-def malformed(run: Run) -> str | None:
-    """What in a finished run's numbers is not a number (or null), so that one damaged file cannot stop the report."""
-    for scenario in SCENARIOS:
-        values = run["metrics"].get(scenario, {}) if isinstance(run["metrics"], dict) else None
-        if not isinstance(values, dict):
-            return f"metrics.{scenario} is not an object"
-        for metric in METRICS:
-            value = values.get(metric)
-            if value is not None and not is_number(value):
-                return f"metrics.{scenario}.{metric} is {value!r}, not a number"
-        rows = run["acc_matrix"].get(scenario) if isinstance(run["acc_matrix"], dict) else None
-        ok = isinstance(rows, list) and all(
-            isinstance(row, list) and all(v is None or is_number(v) for v in row) for row in rows
-        )
-        if not ok:
-            return f"acc_matrix.{scenario} is not a matrix of numbers"
+def cost_problem(run: Run) -> str | None:
+    """What in a run's ``test_time_cost`` is not what the report reads (None where it is, or where there is none)."""
     costs = run.get("test_time_cost")
     if costs is not None and not (isinstance(costs, list) and all(map(is_cost, costs))):
         return "test_time_cost is not a list of costs (forwards per test image, stored bits)"
@@ -266,22 +253,20 @@ def load(paths: list[Path]) -> tuple[list[Run], list[Skipped]]:
     return runs, sorted(others, key=lambda o: str(o.folder))
 
 
-def compact(value: Any) -> str:
-    """A setting value as a user would type it: floats with ``:g``, strings bare, the rest as JSON."""
-    if isinstance(value, float):
-        return f"{value:g}"
-    return value if isinstance(value, str) else json.dumps(value, default=str)
-
-
-def labels(configs: list[dict[str, Any]]) -> list[str]:
-    """For settings that share method, backbone and benchmark: each one's differing keys, ``lr=0.001, epochs=5``."""
-    if len(configs) < 2:
-        return [""] * len(configs)
-    keys = differing_keys(configs)
+def labels(settings: list[dict[str, Any]]) -> list[str]:
+    """Each flattened setting's keys that differ among ``settings``, ``lr=0.001, epochs=5`` ("" for one setting; a
+    weights hash shortened to 12 characters)."""
+    if len(settings) < 2:
+        return [""] * len(settings)
+    keys = differing_keys(settings)
     names = short_names(keys)
-    settings = [setting(c) for c in configs]
-    absent = {k: compact(LATER_KEYS[k]) if k in LATER_KEYS else "unset" for k in keys}  # at its old value: left out
-    return [", ".join(f"{names[k]}={compact(s[k]) if k in s else absent[k]}" for k in keys) for s in settings]
+
+    def shown(key: str, values: dict[str, Any]) -> str:
+        if key not in values:  # a key added later, at its old value: left out of the setting
+            return compact(LATER_KEYS[key]) if key in LATER_KEYS else "unset"
+        return compact(values[key])[:12] if key == WEIGHTS_HASH else compact(values[key])
+
+    return [", ".join(f"{names[k]}={shown(k, s)}" for k in keys) for s in settings]
 
 
 def without_duplicates(runs: list[Run], folders: list[Path]) -> tuple[list[Run], list[Skipped]]:
@@ -290,7 +275,7 @@ def without_duplicates(runs: list[Run], folders: list[Path]) -> tuple[list[Run],
     first: dict[tuple[str, Any], Path] = {}
     kept, duplicates = [], []
     for run, folder in zip(runs, folders, strict=True):
-        key = (json.dumps(setting(config_of(run)), sort_keys=True, default=str), run.get("seed"))
+        key = (setting_key(run), run.get("seed"))
         if key in first:
             duplicates.append(skipped(folder, f"duplicate of {first[key]} (the same setting and seed {key[1]})"))
             continue
@@ -299,20 +284,43 @@ def without_duplicates(runs: list[Run], folders: list[Path]) -> tuple[list[Run],
     return kept, duplicates
 
 
+def benchmark_of(run: Run) -> str:
+    """The benchmark a run measured: its data config's name, with the tasks kept where it ran fewer
+    (:func:`clbench.comparable.benchmark_label`; an older results.json's ``benchmark`` as it stands)."""
+    data = config_of(run).get("data")
+    return benchmark_label(data) if isinstance(data, dict) and "tasks" in data else str(run["benchmark"])
+
+
 def table_rows(runs: list[Run]) -> list[Row]:
-    """One row per setting, labelled among the rows of its (method, backbone, benchmark), sorted."""
+    """One row per setting, labelled among the rows of its (method, backbone, benchmark); where the rows come from
+    several protocols (task count, class order, split: clbench.comparable.PROTOCOL), each is labelled by the protocol
+    keys that set it apart and the rows of one protocol stand together."""
     groups: dict[str, list[Run]] = defaultdict(list)
     for run in runs:
-        groups[json.dumps(setting(config_of(run)), sort_keys=True, default=str)].append(run)
+        groups[setting_key(run)].append(run)
     families: dict[tuple[str, str, str], list[list[Run]]] = defaultdict(list)
     for group in groups.values():
-        families[(group[0]["method"], group[0]["backbone"], group[0]["benchmark"])].append(group)
+        families[(group[0]["method"], group[0]["backbone"], benchmark_of(group[0]))].append(group)
     rows = [
         Row(*family, label, group)
         for family, members in families.items()
-        for group, label in zip(members, labels([config_of(g[0]) for g in members]), strict=True)
+        for group, label in zip(members, labels([run_setting(g[0]) for g in members]), strict=True)
     ]
-    return sorted(rows, key=lambda r: (r.method, r.backbone, r.benchmark, r.setting))
+    protocols = [protocol(config_of(r.runs[0])) for r in rows]
+    if len({json.dumps(p, sort_keys=True, default=str) for p in protocols}) > 1:
+        for row, label in zip(rows, labels(protocols), strict=True):
+            row.protocol = label
+    return sorted(rows, key=lambda r: (r.protocol, r.method, r.backbone, r.benchmark, r.setting))
+
+
+def several_protocols(rows: list[Row]) -> bool:
+    return any(r.protocol for r in rows)
+
+
+PROTOCOLS = (
+    "These rows come from different protocols (task count, class order, train/test split or CIL's classes: the "
+    "protocol column): compare rows of one protocol only."
+)
 
 
 def mean_std(values: list[float | None]) -> tuple[float | None, float | None]:
@@ -331,51 +339,61 @@ def cell(pair: tuple[float | None, float | None], pm: str) -> str:
     return f"{mean:.2f}" if std is None else f"{mean:.2f} {pm} {std:.2f}"
 
 
-def markdown(rows: list[Row], others: list[Skipped]) -> str:
-    """The table as Markdown, then the runs and jobs that were not averaged."""
-    lines = [
-        "| method | backbone | benchmark | setting | runs | " + " | ".join(HEADERS) + " |",
-        "|---|---|---|---|---|" + "---|" * len(HEADERS),
+def label_cells(r: Row, protocols: bool) -> list[str]:
+    """A row's label columns: method, backbone, benchmark, (protocol,) setting."""
+    return [r.name, r.backbone, r.benchmark, *([r.protocol] if protocols else []), r.setting or "-"]
+
+
+def legends(rows: list[Row]) -> list[str]:
+    """The notes under a table: the † legend, and that its rows come from several protocols."""
+    return [
+        text
+        for text, on in ((RECONSTRUCTED, any(r.reconstructed for r in rows)), (PROTOCOLS, several_protocols(rows)))
+        if on
     ]
+
+
+def markdown(rows: list[Row], others: list[Skipped]) -> str:
+    """The table as Markdown (a protocol column where its rows come from several), its notes, then the runs and jobs
+    that were not averaged."""
+    protocols = several_protocols(rows)
+    head = ["method", "backbone", "benchmark", *(["protocol"] if protocols else []), "setting", "runs", *HEADERS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
-        label = [r.name, r.backbone, r.benchmark, r.setting or "-", str(len(r.runs))]
+        label = [*label_cells(r, protocols), str(len(r.runs))]
         cells = [text.replace("|", r"\|") for text in label] + [cell(r.stat(c), "±") for c in COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    if any(r.reconstructed for r in rows):
-        lines += ["", RECONSTRUCTED]
+    lines += [line for text in legends(rows) for line in ("", text)]
     if others:
-        lines += ["", "Not averaged (did not finish, unreadable or duplicates):", *[f"- {o}" for o in others]]
+        lines += ["", "Not averaged (did not finish, not reportable or duplicates):", *[f"- {o}" for o in others]]
     return "\n".join(lines) + "\n"
 
 
 def csv_text(rows: list[Row]) -> str:
-    """The table as CSV: the label columns, then ``<scenario>_<metric>_mean`` and ``_std`` (empty for one run)."""
+    """The table as CSV: the label columns (protocol: empty where every row shares one), then
+    ``<scenario>_<metric>_mean`` and ``_std`` (empty for one run)."""
     buf = io.StringIO()
     writer = csv.writer(buf)
-    writer.writerow(
-        [
-            "method",
-            "backbone",
-            "benchmark",
-            "setting",
-            "runs",
-            "reconstructed",
-            *[f"{c}_{k}" for c in COLUMNS for k in ("mean", "std")],
-        ]
-    )
+    labels_ = ["method", "backbone", "benchmark", "protocol", "setting", "runs", "reconstructed"]
+    writer.writerow([*labels_, *[f"{c}_{k}" for c in COLUMNS for k in ("mean", "std")]])
     for r in rows:
         values = ["" if v is None else f"{v:.4f}" for c in COLUMNS for v in r.stat(c)]
-        writer.writerow([r.method, r.backbone, r.benchmark, r.setting, len(r.runs), r.reconstructed, *values])
+        writer.writerow(
+            [r.method, r.backbone, r.benchmark, r.protocol, r.setting, len(r.runs), r.reconstructed, *values]
+        )
     return buf.getvalue()
 
 
 def latex(rows: list[Row]) -> str:
-    """The table as a booktabs tabular."""
-    head = " & ".join(["Method", "Backbone", "Benchmark", "Setting", "$n$", *HEADERS]) + r" \\"
+    """The table as a booktabs tabular (a protocol column where its rows come from several), its notes below."""
+    protocols = several_protocols(rows)
+    head = " & ".join(
+        ["Method", "Backbone", "Benchmark", *(["Protocol"] if protocols else []), "Setting", "$n$", *HEADERS]
+    )
     body = [
         " & ".join(
             [
-                *map(tex_escape, (r.name, r.backbone, r.benchmark, r.setting or "-")),
+                *map(tex_escape, label_cells(r, protocols)),
                 str(len(r.runs)),
                 *[cell(r.stat(c), r"$\pm$") for c in COLUMNS],
             ]
@@ -383,8 +401,8 @@ def latex(rows: list[Row]) -> str:
         + r" \\"
         for r in rows
     ]
-    spec = "llllr" + "r" * len(COLUMNS)
-    return "\n".join(booktabs(spec, head, body, any(r.reconstructed for r in rows))) + "\n"
+    spec = "l" * (4 + protocols) + "r" + "r" * len(COLUMNS)
+    return "\n".join(booktabs(spec, head + r" \\", body, legends(rows))) + "\n"
 
 
 def seen_task_curve(run: Run, scenario: str) -> list[float]:
@@ -393,9 +411,10 @@ def seen_task_curve(run: Run, scenario: str) -> list[float]:
 
 
 def curve_label(row: Row, rows: list[Row]) -> str:
-    """The method, with backbone and benchmark when the rows do not all share them, and the setting."""
+    """The method, with backbone and benchmark when the rows do not all share them, the protocol and the setting."""
     parts = [row.backbone] if len({r.backbone for r in rows}) > 1 else []
     parts += [row.benchmark] if len({r.benchmark for r in rows}) > 1 else []
+    parts += [row.protocol] if row.protocol else []
     parts += [row.setting] if row.setting else []
     parts += ["reconstructed"] if row.reconstructed else []
     return f"{row.method} ({'; '.join(parts)})" if parts else row.method

@@ -37,6 +37,8 @@ class Results:
         # per training phase: {"task", "phase", and the scalars trained of each part (clbench.loop.trained_parts)}
         self.trained_parameters: list[dict[str, Any]] = []
         self.test_time_cost: list[dict[str, Any]] = []  # per stage: forwards per test image, the state stored
+        # per training phase: {"task", "phase", "steps", and the mean of each value the method's loss logs}
+        self.method_diagnostics: list[dict[str, Any]] = []
 
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps of the results (the rest comes from the config)."""
@@ -51,6 +53,7 @@ class Results:
             "extra": self.extra,
             "trained_parameters": self.trained_parameters,
             "test_time_cost": self.test_time_cost,
+            "method_diagnostics": self.method_diagnostics,
         }
 
     def restore(self, state: dict[str, Any]) -> None:
@@ -59,6 +62,7 @@ class Results:
         self.timing, self.storage, self.extra = state["timing"], state["storage"], state["extra"]
         self.trained_parameters = state.get("trained_parameters", [])  # absent in a checkpoint written before it
         self.test_time_cost = state.get("test_time_cost", [])  # the same
+        self.method_diagnostics = state.get("method_diagnostics", [])
 
     @property
     def stages(self) -> int:
@@ -127,6 +131,7 @@ class Results:
             "storage": self.storage,
             "trained_parameters": self.trained_parameters,
             "test_time_cost": self.test_time_cost,
+            "method_diagnostics": self.method_diagnostics,
             "timing": self.timing,
             **({"acceleration": self.acceleration} if self.acceleration else {}),
             **self.extra,
@@ -163,6 +168,11 @@ class Results:
         changed = not kept or {k: v for k, v in kept[-1].items() if k not in ("task", "phase")} != counts
         self.trained_parameters = [*kept, entry]
         return changed
+
+    def record_diagnostics(self, task: int, phase: str, steps: int, means: dict[str, float]) -> None:
+        """Keep a training phase's diagnostics (once: a phase run again after a resume replaces its entry)."""
+        kept = [e for e in self.method_diagnostics if (e["task"], e["phase"]) != (task, phase)]
+        self.method_diagnostics = [*kept, {"task": task, "phase": phase, "steps": steps, **means}]
 
     def validation(self) -> dict[str, Any]:
         """results.json's ``validation`` entry, with a validation split."""

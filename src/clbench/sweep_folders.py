@@ -1,4 +1,5 @@
-"""A sweep job's folder is named by what sets it apart: its number and the swept overrides
+"""Run folders named by what they hold: a single run's by the benchmark it measured (``clbench_benchmark``:
+``digits_5tasks_first3`` for the first 3 of its 5 tasks), a sweep job's by its number and the swept overrides
 (``3_method.lam=0.9,method.tau=1.0``), not its number alone.
 
 Hydra knows which overrides a command line sweeps only when the sweep starts (:func:`remember_swept`, called from
@@ -12,6 +13,8 @@ import os
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from omegaconf import ListConfig, OmegaConf
+
+from clbench.comparable import benchmark_label
 
 SWEPT_ENV = "CLBENCH_SWEPT_KEYS"
 MAX_NAME = 120  # characters of overrides in a folder name; the job number keeps shortened names apart
@@ -34,4 +37,10 @@ def job_folder(number: int, overrides: ListConfig | list[str]) -> str:
     return f"{number}_{name}" if name else str(number)
 
 
+def benchmark_folder(name: str, num_tasks: int | None, tasks: int | None) -> str:
+    """The data config's name as a folder name: :func:`clbench.comparable.benchmark_label`."""
+    return benchmark_label({"name": name, "tasks": tasks, "num_tasks": num_tasks})
+
+
 OmegaConf.register_new_resolver("clbench_job_folder", job_folder, replace=True)
+OmegaConf.register_new_resolver("clbench_benchmark", benchmark_folder, replace=True)

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 from safetensors.torch import save as save_safetensors
 
-from clbench.comparable import method_name, setting_name
+from clbench.comparable import benchmark_label, method_name, setting_name
 from clbench.config import LoggerConfig
 from clbench.evaluation import SCENARIOS
 from clbench.files import write_atomic
@@ -94,9 +94,14 @@ def heatmap_png(results: Results, scenario: str) -> bytes:
     for ax, (title, rows, cmap, limits) in zip(axes[0], panels, strict=True):
         draw_matrix(ax, rows, n, cmap, limits, xlabel="evaluated task", ylabel="after training task")
         ax.set_title(title, fontsize=9)
-    header = results.header
-    fig.suptitle(f"{header['method']} on {header['benchmark']}: {_SCENARIO_TITLES[scenario]}", fontsize=10)
+    fig.suptitle(f"{on_what(results)}: {_SCENARIO_TITLES[scenario]}", fontsize=10)
     return png(fig)
+
+
+def on_what(results: Results) -> str:
+    """``<method> on <benchmark>`` for a figure's title; the benchmark as the run measured it (``digits_5tasks_first3``
+    where it kept 3 of its 5 tasks)."""
+    return f"{results.header['method']} on {results.header['benchmark']}"
 
 
 def task_confusion_png(results: Results) -> bytes:
@@ -107,8 +112,7 @@ def task_confusion_png(results: Results) -> bytes:
     fig, ax = plt.subplots(figsize=(1.6 + 0.6 * n, 1.2 + 0.55 * n))
     labels = {"xlabel": "predicted in the classes of task", "ylabel": "test samples of task"}
     draw_matrix(ax, rows, n, "Blues", (0.0, 100.0), **labels, bar="% of the task's samples")
-    header = results.header
-    ax.set_title(f"{header['method']} on {header['benchmark']}: CIL task confusion", fontsize=9)
+    ax.set_title(f"{on_what(results)}: CIL task confusion", fontsize=9)
     return png(fig)
 
 
@@ -144,8 +148,7 @@ def write_run_files(
     entries = [v for v in results.extra.values() if isinstance(v, dict) and "prompt_histogram" in v]
     histogram = entries[0]["prompt_histogram"] if entries else None
     if histogram and histogram["train"]:
-        title = f"{results.header['method']} on {results.header['benchmark']}"
-        write_atomic(run_dir / "prompt_histogram.png", prompt_histogram_png(histogram, title))
+        write_atomic(run_dir / "prompt_histogram.png", prompt_histogram_png(histogram, on_what(results)))
 
 
 # --------------------------------------------------------------------------------------------- console
@@ -172,7 +175,23 @@ def summary_tables(results: Results) -> list[Table]:
     for key, label in _METRIC_LABELS.items():
         table.add_row(label, *[_fmt(metrics.get(s, {}).get(key)) for s in SCENARIOS])
     tables.append(table)
-    return tables
+    return tables + diagnostics_tables(results)
+
+
+def diagnostics_tables(results: Results) -> list[Table]:
+    """The method's own diagnostics (results.json ``method_diagnostics``): per training phase, the mean over its steps
+    of each value its loss logs (MEAT's token keep ratio, EWC's penalty, ...); none for a method that logs none."""
+    entries = results.method_diagnostics
+    keys = list(dict.fromkeys(k for e in entries for k in e if k not in ("task", "phase", "steps")))
+    if not keys:
+        return []
+    table = Table(title="Method diagnostics (mean over each phase's training steps)", title_justify="left")
+    for column in ("task", "phase", "steps", *keys):
+        table.add_column(column, justify="left" if column == "phase" else "right")
+    for e in entries:
+        values = ["-" if e.get(k) is None else f"{e[k]:.4g}" for k in keys]
+        table.add_row(str(e["task"]), e["phase"], str(e["steps"]), *values)
+    return [table]
 
 
 def say(*objects: Any, terminal: bool = True) -> None:
@@ -219,10 +238,12 @@ class WandbTracker:
         *,
         name: str | None,
         run_id: str | None = None,
+        weights_sha256: str | None = None,
     ) -> None:
         """``config``: the run's whole config (:func:`clbench.config.full_config`). Runs are grouped by it less the
-        seed (``logger.group`` overrides), so W&B's grouping averages only comparable runs; tagged with method,
-        benchmark and backbone. ``run_id``: continue that W&B run (a resumed clbench run keeps its W&B run)."""
+        seed, the weights by their SHA-256 (``logger.group`` overrides), so W&B's grouping averages only comparable
+        runs; tagged with method, benchmark and backbone. ``run_id``: continue that W&B run (a resumed clbench run
+        keeps its W&B run)."""
         self.run = None
         if cfg.mode == "disabled":
             return
@@ -230,13 +251,19 @@ class WandbTracker:
 
         self._wandb = wandb
         method = method_name(config["method"]["_target_"])
-        tags = [f"method:{method}", f"benchmark:{config['data']['name']}", f"backbone:{config['backbone']['name']}"]
+        benchmark, backbone = benchmark_label(config["data"]), config["backbone"]["name"]
+        tags = [
+            f"method:{method}",
+            f"benchmark:{benchmark}",
+            f"backbone:{backbone}",
+            *(["smoke"] if config.get("smoke") else []),
+        ]
         options = dict(
             project=cfg.project,
             entity=cfg.entity,
             dir=str(run_dir),
             config=config,
-            group=cfg.group or setting_name(config),
+            group=cfg.group or setting_name(config, weights_sha256),
             name=cfg.name or name,
             tags=[*tags, *cfg.tags],
             id=run_id,

@@ -265,7 +265,7 @@ def load_cifar_source(cfg: DataConfig, name: str) -> SourceData:
                 f"so that {folder} holds {', '.join(n for n, _ in files)}."
             ) from None
     if not present():
-        what = "missing or fail their checksums" if cfg.verify_checksums else "are missing"
+        what = "are missing or fail their checksums" if cfg.verify_checksums else "are missing"
         raise DataError(
             f"The {name} files in {folder} {what}. Either run with data.download=true (needs network) "
             f"or download {spec.url}, extract it into {root} so that {folder} holds "

@@ -25,10 +25,10 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from clbench import __version__, checkpoint, distributed
+from clbench import __version__, checkpoint, distributed, smoke
 from clbench.backbones import input_stats, sha256, weights_file
 from clbench.checkpoint import Cursor, Position
-from clbench.comparable import method_name
+from clbench.comparable import benchmark_label, method_name
 from clbench.config import RunConfig, as_dict, full_config
 from clbench.data import Benchmark, Task
 from clbench.errors import DataError, Preempted
@@ -75,9 +75,7 @@ def train(cfg: RunConfig, run_dir: Path, *, name: str | None = None) -> Results:
         check_writable(run_dir)
     acquired = main and lock_run_folder(run_dir)
     try:
-        if main and harmless:
-            say(f"clbench: resuming {run_dir} with {'; '.join(harmless)} (settings that do not change the results)")
-        return train_in_folder(cfg, run_dir, name, main, saved)
+        return train_in_folder(cfg, run_dir, name, main, saved, harmless=harmless)
     finally:
         if acquired:
             unlock_run_folder(run_dir)
@@ -109,21 +107,45 @@ def recorded(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> Results:
     return results
 
 
-def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None) -> Results:
-    """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from. A run refused while its
-    method and data are built (a value only the built model can check, missing data) or its checkpoint is loaded into
-    them (values that do not fit) has not begun to write the folder: the CLI gives it back as it was."""
+def resuming_line(run_dir: Path, position: Position, tasks: int, harmless: list[str]) -> str:
+    """What a resumed run says first: the folder, where its checkpoint stands (tasks, phases and epochs counted from
+    0, as the stop message counts them), and any changed settings that cannot change its results."""
+    cursor = position.cursor
+    if cursor is not None:
+        batches = f"{cursor.batch} batch{'' if cursor.batch == 1 else 'es'}"
+        where = f"in task {position.task} of {tasks} (phase {cursor.phase}, epoch {cursor.epoch}, after {batches}"
+        where += f" of it; step {position.step})"
+    elif position.task < tasks:
+        where = f"at the start of task {position.task} of {tasks} (step {position.step})"
+    else:
+        where = f"after its last task ({tasks} of {tasks}: nothing left to train)"
+    changed = f"; with {'; '.join(harmless)} (settings that do not change the results)" if harmless else ""
+    return f"clbench: resumed {run_dir} from its checkpoint, {where}{changed}"
+
+
+def train_in_folder(
+    cfg: RunConfig, run_dir: Path, name: str | None, main: bool, saved: Saved | None, *, harmless: list[str]
+) -> Results:
+    """:func:`train` once the run folder is held; ``saved``: the checkpoint it resumes from (``harmless``: the changed
+    settings that cannot change its results). A run refused while its method and data are built (a value only the
+    built model can check, missing data) or its checkpoint is loaded into them (values that do not fit) has not begun
+    to write the folder: the CLI gives it back as it was."""
     method, rt = build_runtime(cfg)
     results = Results(header(cfg), rt.benchmark.tasks, image_counts(rt.benchmark))
     loaded = start_record(cfg, method, rt, results, main)
     position, wandb_id = Position(0, 0), None
     if saved is not None:  # a checkpoint that does not fit the run its config builds is refused here too
         position, wandb_id = restore(cfg, saved, method, rt.benchmark.tasks, results, path=run_dir / checkpoint.FILE)
+        if main:
+            say(resuming_line(run_dir, saved[0], cfg.data.num_tasks or cfg.data.tasks, harmless))
     if main:
         begin_writing(run_dir)
         remove_stale_temporaries(run_dir)
     logger = cfg.logger if main else dataclasses.replace(cfg.logger, mode="disabled")
-    tracker = WandbTracker(logger, run_dir, results.header["config"], name=name, run_id=wandb_id)
+    weights = results.header["backbone_config"]["weights_sha256"]
+    tracker = WandbTracker(
+        logger, run_dir, results.header["config"], name=name, run_id=wandb_id, weights_sha256=weights
+    )
     results.header["wandb"] = tracker.identity()
     if main:
         for line in describe(cfg, method, rt, loaded):
@@ -152,6 +174,8 @@ def train_in_folder(cfg: RunConfig, run_dir: Path, name: str | None, main: bool,
         tracker.finish(results, run_dir, exit_code)
     if main:
         print_summary(results, run_dir)
+        if cfg.smoke:
+            say(f"[bold yellow]{smoke.warning()}[/bold yellow]")
         if rt.log.compiled_graphs:
             log = rt.log
             say(f"torch.compile: {log.compiled_graphs} graphs, {log.compile_s:.1f} s in the steps that compiled them")
@@ -181,6 +205,9 @@ def train_tasks(
             }
             checkpoint.save(run_dir, Position(task_id, step, cursor), payload)
 
+    def diagnosed(task: Task, phase: Phase, steps: int, means: dict[str, float]) -> None:
+        results.record_diagnostics(task.id, phase.name, steps, means)
+
     def trains(task: Task, phase: Phase, counts: dict[str, int]) -> None:
         if results.record_trained(task.id, phase.name, counts) and main:
             say(f"task {task.id}, phase {phase.name}: trains {describe_counts(counts)}")
@@ -194,7 +221,7 @@ def train_tasks(
             if cursor is None:
                 start_task(method, task, rt, results)
             start = time.perf_counter()
-            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop, trains)
+            hooks = Hooks(tracker, progress, lambda c, s, t=task.id: save(t, c, s), stop, trains, diagnosed)
             step, images = run_task(method, task, rt, epochs=cfg.trainer.epochs, step=step, cursor=cursor, hooks=hooks)
             method.after_task(task)
             if rt.device.type == "cuda":
@@ -274,13 +301,14 @@ def header(cfg: RunConfig) -> dict[str, Any]:
         "clbench_version": __version__,
         "method": method_name(cfg.method_target),
         "backbone": cfg.backbone.name,
-        "benchmark": cfg.data.name,
+        "benchmark": benchmark_label(as_dict(cfg.data)),  # digits_5tasks_first3 where only 3 of its tasks ran
         "protocol": cfg.data.protocol,
         "seed": cfg.seed,
         "class_order_seed": cfg.data.class_order_seed,
         "method_config": as_dict(cfg.method),
         "backbone_config": as_dict(cfg.backbone),
         "config": full_config(cfg),
+        **smoke.header(cfg),  # smoke=true: what it kept; clbench-report and make table list such a run apart
     }
 
 

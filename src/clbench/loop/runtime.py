@@ -14,7 +14,7 @@ import torch
 from hydra.utils import get_class
 from timm.data import Mixup
 
-from clbench import distributed
+from clbench import distributed, smoke
 from clbench.backbones import build_backbone, input_stats
 from clbench.comparable import method_name
 from clbench.config import RunConfig, config_dir, host_drawn_augmentation, memory_sampler
@@ -177,6 +177,8 @@ def build_runtime(cfg: RunConfig) -> tuple[Method, Runtime]:
     accel = acceleration(cfg, device, ranks)
     seed_everything(cfg.seed)
     benchmark = build_benchmark(cfg.data, device, say, ranks)
+    if cfg.smoke:  # a few images of each class: the run end to end in a minute, never a result
+        benchmark = smoke.sampled(benchmark)
     backbone = build_backbone(cfg.backbone)
     mean, std = input_stats(backbone, cfg.backbone)
     parts = backbone_parts(backbone)  # before the method wraps any layer
@@ -265,6 +267,8 @@ def describe(cfg: RunConfig, method: Method, rt: Runtime, weights: Path | None) 
     device = f"{rt.device} ({torch.cuda.get_device_name(rt.device)})" if rt.device.type == "cuda" else str(rt.device)
     ranks = f" x {rt.ranks.size} processes" if rt.ranks.size > 1 else ""
     lines = [first, f"runtime: {device}{ranks}, {precision}, {rt.accel.describe()}"]
+    if cfg.smoke:
+        lines.insert(0, f"[bold yellow]{smoke.warning()}[/bold yellow]")
     if method.memory is not None:
         memory = method.memory
         budget = f"{cfg.memory.per_class} images a class" if cfg.memory.per_class else "a fixed total"

@@ -16,13 +16,16 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import closing
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from rich.progress import Progress
 
+from clbench import smoke
 from clbench.checkpoint import Cursor
 from clbench.data import Split, Task
+from clbench.distributed import Ranks
 from clbench.errors import Diverged, Preempted
 from clbench.loop.divergence import FirstNonFinite
 from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
@@ -45,6 +48,8 @@ class Hooks:
     save: Callable[[Cursor, int], None] | None = None
     stop: Callable[[], int | None] | None = None
     trains: Callable[[Task, Phase, dict[str, int]], None] | None = None  # what a phase trains, by part
+    # a training phase's diagnostics: the mean over its steps of each value the method's loss logs
+    diagnostics: Callable[[Task, Phase, int, dict[str, float]], None] | None = None
 
     def signal(self) -> int | None:
         return self.stop() if self.stop is not None else None
@@ -188,6 +193,8 @@ class PhaseRun:
         self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
         self.ids = method.takes_ids()  # hand each batch's positions in the phase's data to the loss
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
+        self.diagnostics = Diagnostics(rt.device, resume.diagnostics if resume is not None else None)
+        self.max_steps = smoke.STEPS_PER_PHASE if rt.cfg.smoke else None  # smoke=true: a step or so a phase
 
     def scale(self) -> float:
         """The plateau schedule's factor on the learning rate (1 without it)."""
@@ -212,10 +219,13 @@ class PhaseRun:
                 here = self.resume is not None and epoch == self.resume.epoch
                 step, seen = self.epoch(epoch, step, self.resume if here else None, bar)
                 images += seen
-                if not self.after_epoch(epoch, step):
+                if not self.after_epoch(epoch, step) or self.steps_done():
                     break
             if self.plateau is not None:
                 self.plateau.restore_best(self.method)
+            if self.hooks.diagnostics is not None and self.diagnostics.sums:
+                means = self.diagnostics.means(self.rt.ranks)
+                self.hooks.diagnostics(self.task, self.phase, self.diagnostics.steps, means)
         finally:
             self.close()
         if progress and bar is not None:
@@ -246,6 +256,7 @@ class PhaseRun:
                 self.method.before_step(task, batch, self.per_epoch)
                 ids = order[batch * cfg.batch_size : (batch + 1) * cfg.batch_size] if self.ids else None
                 loss, logs = self.stepper(x_raw, y, ids)
+                self.diagnostics.add(logs)
                 self.schedule.step()
                 self.running += loss
                 epoch_loss += loss
@@ -262,7 +273,9 @@ class PhaseRun:
                     hooks.save(self.cursor(epoch, batch + 1, order), step)
                     name = signal.Signals(signum).name
                     raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
-        done = self.per_epoch - first_batch  # 0 where a checkpoint was written after the epoch's last batch
+                if self.steps_done():
+                    break
+        done = batch + 1 - first_batch if images else 0  # 0 where a checkpoint was written after the epoch's last batch
         if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
             position = f"{where(task, self.phase, epoch)} (its end), step {step}"
             values = {
@@ -274,6 +287,10 @@ class PhaseRun:
                 f"task {task.id} {self.phase.name} epoch {epoch + 1}/{self.phase.epochs}", values, rt, hooks, step
             )
         return step, images
+
+    def steps_done(self) -> bool:
+        """Whether a smoke run's phase has taken its steps (never, in a real run)."""
+        return self.max_steps is not None and self.diagnostics.steps >= self.max_steps
 
     def log_steps(self, logs: Logs, epoch: int, step: int, bar: int | None) -> None:
         """The mean loss of the last ``log_every`` steps (checked finite) and the method's values: W&B, the bar."""
@@ -301,7 +318,34 @@ class PhaseRun:
 
     def cursor(self, epoch: int, batch: int, order: torch.Tensor | None) -> Cursor:
         plateau = self.plateau.state() if self.plateau else None
-        return Cursor(self.index, epoch, batch, order, self.optimizer.state_dict(), self.schedule.state_dict(), plateau)
+        optimizer, schedule = self.optimizer.state_dict(), self.schedule.state_dict()
+        return Cursor(self.index, epoch, batch, order, optimizer, schedule, plateau, self.diagnostics.state())
+
+
+class Diagnostics:
+    """The values a method's loss logs (MEAT's token keep ratio, EWC's penalty, LwF's distillation, ...), summed on
+    the device over a phase's steps (no host sync) and read once, as means, when the phase ends: results.json's
+    ``method_diagnostics`` and the run's summary. A checkpoint inside the phase keeps the sums."""
+
+    def __init__(self, device: torch.device, saved: dict[str, Any] | None = None) -> None:
+        self.device = device
+        self.steps = int(saved["steps"]) if saved else 0
+        self.sums = {k: v.to(device) for k, v in saved["sums"].items()} if saved else {}
+
+    def add(self, logs: Logs) -> None:
+        self.steps += 1
+        for key, value in logs.items():
+            total = self.sums.get(key)
+            if total is None:
+                total = self.sums[key] = torch.zeros((), dtype=torch.float32, device=self.device)
+            total.add_(value.detach().float().sum())
+
+    def means(self, ranks: Ranks) -> dict[str, float]:
+        """Each value's mean over the phase's steps (and over the ranks, each logging its share)."""
+        return {k: ranks.sum_(v / (self.steps * ranks.size)).item() for k, v in self.sums.items()}
+
+    def state(self) -> dict[str, Any]:
+        return {"steps": self.steps, "sums": {k: v.detach().cpu().clone() for k, v in self.sums.items()}}
 
 
 def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, step: int) -> None:
@@ -310,9 +354,16 @@ def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, s
     if hooks.tracker:
         hooks.tracker.log({f"train/{k}": v for k, v in values.items()}, step)
     say(
-        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {values['images_per_s']:.0f} images/s",
+        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {throughput(values['images_per_s'])}",
         terminal=rt.ranks.is_main and not console.is_terminal,
     )
+
+
+def throughput(images_per_s: float) -> str:
+    """``512 images/s``; below one image a second, the seconds an image takes (``3.2 s/image``: a ViT-B on a CPU)."""
+    if images_per_s >= 1:
+        return f"{images_per_s:.0f} image{'' if round(images_per_s) == 1 else 's'}/s"
+    return f"{1 / images_per_s:.3g} s/image" if images_per_s > 0 else "no images"
 
 
 @torch.no_grad()

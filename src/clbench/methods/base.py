@@ -197,7 +197,9 @@ class Method(nn.Module):
         outside a captured step: what it sets must be written in place into device tensors the step reads."""
 
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        """Loss on a batch of ``task`` (``y`` holds global labels) and device-side scalars to log."""
+        """Loss on a batch of ``task`` (``y`` holds global labels) and device-side scalars to log: to W&B every
+        ``trainer.log_every`` steps, and as means over each phase to results.json's ``method_diagnostics`` and the
+        run's summary."""
         raise NotImplementedError
 
     def takes_soft_targets(self) -> bool:
