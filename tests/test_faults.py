@@ -136,8 +136,9 @@ def test_a_refused_run_leaves_no_folder_behind(tmp_path: Path, overrides: tuple[
 def test_a_sweep_is_never_written_over_an_earlier_one_and_its_refused_jobs_leave_no_folder(tmp_path: Path) -> None:
     sweep = tmp_path / "sweep"
     out = clbench("-m", *TINY_RUN, "seed=0", "method=ksm", "method.group=1,3", f"hydra.sweep.dir={sweep}", cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-3000:]
-    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert out.returncode == 2, out.stderr[-3000:]  # a sweep with a refused job says so in its exit code
+    assert "sweep of 2 jobs: 1 done, 1 refused." in out.stderr
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert len(jobs) == 1 and jobs[0].startswith("0_")  # the refused job (group=3) left none
     before = snapshot(sweep)
     out = clbench("-m", *TINY_RUN, "seed=0,1", f"hydra.sweep.dir={sweep}", cwd=tmp_path)

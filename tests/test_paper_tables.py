@@ -346,12 +346,17 @@ def test_a_table_can_lay_out_protocol_ps_micro_metrics_and_refuses_a_name_result
     tables.mkdir()
     (tables / "pilot_demo.yaml").write_text(PILOT_TABLE)
     monkeypatch.setattr(paper_table, "TABLES", tables)
+    from clbench.metrics import summary
+
     config = {"method": {"_target_": "clbench.methods.simplecil.SimpleCIL"}, "data": {"name": "cub_p_b0inc10"}}
     for seed, (abar, last) in enumerate(((86.0, 81.0), (88.0, 83.0))):
-        metrics = {"final_acc": 70.0, "avg_incremental_acc_micro": abar, "final_acc_micro": last}
+        # tasks of 1 and 3 test images: A_0 = R[0][0], A_1 = (R[1][0] + 3 R[1][1]) / 4 = last, Abar = (A_0 + A_1) / 2
+        matrix = [[2 * abar - last, None], [last, last]]
+        tasks = [{"id": t, "classes": [t], "class_names": [str(t)], "test_images": n} for t, n in ((0, 1), (1, 3))]
+        metrics = {s: summary(matrix, [None, None], None, [1, 3]) for s in ("til", "cil")}
         run = {"method": "simplecil", "backbone": "b", "benchmark": "cub_p_b0inc10", "seed": seed,
-               "status": "finished", "config": {**config, "seed": seed}, "acc_matrix": {"til": [], "cil": []},
-               "metrics": {"til": {}, "cil": metrics}}  # fmt: skip
+               "status": "finished", "config": {**config, "seed": seed}, "tasks": tasks,
+               "acc_matrix": {"til": matrix, "cil": matrix}, "metrics": metrics}  # fmt: skip
         job(tmp_path / "sweep", seed, ["experiment=simplecil_cub_p_b0inc10", f"seed={seed}"], run)
     report_main(["--table", "pilot_demo", str(tmp_path / "sweep"), "--out", str(tmp_path / "table")])
     (row,) = table_rows(capsys.readouterr().out)

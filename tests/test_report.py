@@ -38,8 +38,9 @@ def write_run(
 ) -> dict[str, Any]:
     """Write ``folder/results.json`` of a finished run of two tasks: CONFIG with dotted ``changes``, ``top`` over the
     top-level keys, and metrics that are what its matrices give (as clbench writes them). Each scenario's matrix is
-    [[80 + seed, -], [60 + seed, 40 + seed]], made to give ``values`` (``{"cil.final_acc": 55.0}``): final_acc v makes
-    the last row [v, v]; bwt v sets R[1][0] = R[0][0] + v; fwt v sets the accuracy on task 1 before training it to
+    [[80 + seed, -], [60 + seed, 40 + seed]] over tasks of 1 and 3 test images, made to give ``values``
+    (``{"cil.final_acc": 55.0}``): final_acc v makes the last row [v, v]; final_acc_micro v (with final_acc 50) the last
+    row [150 - 2v, 2v - 50]; bwt v sets R[1][0] = R[0][0] + v; fwt v sets the accuracy on task 1 before training it to
     20 + v over a random-init accuracy of 20 (fwt None: no random-init accuracy). A value that is not a number is
     written into the metrics as it is (a damaged file), NaN too. Returns what it wrote."""
     config = copy.deepcopy(CONFIG) | {"seed": seed}
@@ -60,13 +61,16 @@ def write_run(
             damaged[(scenario, metric)] = value
         elif metric == "final_acc":
             rows[1] = [value, value]
+        elif metric == "final_acc_micro":  # tasks of 1 and 3 test images, final_acc 50
+            rows[1] = [150.0 - 2 * value, 2 * value - 50.0]
         elif metric == "bwt":
             rows[1][0] = rows[0][0] + value
         elif metric == "fwt" and value is None:
             random_init[scenario] = None
         elif metric == "fwt":
             before[scenario], random_init[scenario] = [None, 20.0 + value], [10.0, 20.0]
-    metrics = {s: summary(matrix[s], before[s], random_init[s]) for s in ("til", "cil")}
+    sizes = [1, 3]  # each task's test images
+    metrics = {s: summary(matrix[s], before[s], random_init[s], sizes) for s in ("til", "cil")}
     for (scenario, metric), value in damaged.items():
         metrics[scenario][metric] = value
     run = {
@@ -76,6 +80,7 @@ def write_run(
         "seed": seed,
         "status": "finished",
         "config": config,
+        "tasks": [{"id": t, "classes": [2 * t, 2 * t + 1], "test_images": n} for t, n in enumerate(sizes)],
         "acc_matrix": matrix,
         "before_task_acc": before,
         "random_init_acc": random_init,
@@ -548,7 +553,7 @@ def test_the_micro_metrics_and_the_test_time_cost_are_columns(
     text, rows = report(tmp_path, capsys)
     (row,) = markdown_rows(text)
     assert row["CIL final"] == "50.00 ± 0.00" and row["CIL A_T (micro)"] == f"42.00 ± {statistics.stdev([40, 44]):.2f}"
-    assert row["TIL Ā (micro)"] == "-"  # not measured by these runs
+    assert row["TIL Ā (micro)"] == "63.00 ± 0.71"  # TIL: A_0 = 80 + s, A_1 = (60 + s + 3 (40 + s)) / 4 = 45 + s
     assert (row["TIL fwd/img"], row["CIL fwd/img"], row["stored MB"]) == ("1.00", "3.00", "3.00")
     assert float(rows[0]["cil_final_acc_micro_mean"]) == 42.0 and rows[0]["cil_forwards_std"] == ""
 
