@@ -180,7 +180,8 @@ def test_the_nan_guard_names_the_term_that_went_non_finite_first(
     monkeypatch.setattr(module, "distillation", overflowing)
     overrides = (f"method={method}", "trainer.epochs=1", "trainer.log_every=1", "trainer.eval_random_init=false")
     with pytest.raises(FloatingPointError, match=rf"at task 1 \(train phase\), epoch 0, step \d+; {blamed}") as err:
-        run_tiny(tmp_path, *overrides, *(("memory.size=null", "memory.per_class=4", "method.bias_epochs=1") if method == "bic" else ()))
+        bic = ("memory.size=null", "memory.per_class=4", "method.bias_epochs=1") if method == "bic" else ()
+        run_tiny(tmp_path, *overrides, *bic)
     assert "trainer.lr" not in str(err.value) and "method.*" in str(err.value)
 
 

@@ -392,8 +392,9 @@ class MemoryConfig:
             self.per_class is None or self.size is None,
             "memory.size",
             self.size,
-            f"null with memory.per_class={self.per_class} (a budget is per_class or size, not both: add memory.size=null "
-            f"to keep {self.per_class} images a class, or memory.per_class=null to keep {self.size} in all)",
+            f"null with memory.per_class={self.per_class} (a budget is per_class or size, not both: add "
+            f"memory.size=null to keep {self.per_class} images a class, or memory.per_class=null to keep {self.size} "
+            "in all)",
         )
 
     @property
