@@ -48,6 +48,7 @@ from clbench.config import require
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.parts.bottleneck import Bottleneck
 
 
 @dataclass
@@ -68,7 +69,12 @@ class AdapterConfig:
         require(lr is None or (math.isfinite(lr) and lr > 0), "method.adapter_lr", lr, "null or a finite float > 0")
 
 
-class HoulsbyAdapter(nn.Module):
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """BERT's tanh-approximated GELU (adapter-bert modeling.py ``gelu``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+class HoulsbyAdapter(Bottleneck):
     """A(h) = h + W_up · GELU(W_down · h + b_down) + b_up (Houlsby §2.1; adapter-bert modeling.py L321-360)."""
 
     def __init__(
@@ -79,16 +85,14 @@ class HoulsbyAdapter(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.down = nn.Linear(dim, bottleneck, device=device, dtype=dtype)
-        self.up = nn.Linear(bottleneck, dim, device=device, dtype=dtype)
+        super().__init__(dim, bottleneck, gelu_tanh, device=device, dtype=dtype)
         with torch.no_grad():
             for lin in (self.down, self.up):
                 nn.init.trunc_normal_(lin.weight, std=init_std, a=-2 * init_std, b=2 * init_std)
                 nn.init.zeros_(lin.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.up(F.gelu(self.down(h), approximate="tanh"))
+        return h + super().forward(h)
 
 
 class AdaptedSublayer(nn.Module):
