@@ -32,6 +32,7 @@ ZERO_FORGETTING = (
     "individual",
     "classifier",
     "adapter",
+    "aper",
 )
 # HAT's gates are sigmoid(s_max e), not exactly binary: old tasks may move by float noise (at most a point).
 METHODS = tuple(m for m in ALL_METHODS if m != "finetune")  # finetune, the lower bound, forgets
