@@ -69,6 +69,16 @@ def test_with_its_module_at_initialisation_aper_predicts_as_simplecil() -> None:
     torch.testing.assert_close(aper.predict(x, None), simplecil.eval().predict(x, None), rtol=1e-5, atol=1e-6)
 
 
+def test_cosine_logits_are_fp32_under_autocast() -> None:
+    from clbench.methods.parts.cosine import cosine_logits
+
+    feats, weight = torch.randn(5, 16), torch.randn(3, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = cosine_logits(feats, weight)
+    assert inside.dtype == torch.float32 and torch.equal(inside, cosine_logits(feats, weight))
+    torch.testing.assert_close(inside, ref.cosine_logits(feats, weight))
+
+
 def test_a_prototype_is_the_class_mean_whatever_the_batch_order() -> None:
     method, rt = run_tasks("trainer.epochs=1", "data.num_tasks=1")
     task, split = rt.benchmark.tasks[0], rt.benchmark.train[0]

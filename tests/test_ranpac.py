@@ -159,6 +159,10 @@ def test_the_head_is_the_officials_replace_fc_task_after_task() -> None:
     x = rt.test_tf(rt.benchmark.test[0].x[:5])
     phi = vit_features(method.backbone, x)
     torch.testing.assert_close(method.predict(x, None), ref.rp_logits(phi, method.projection, heads))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # bf16 features, but the projection and the head in fp32
+        feats, logits = method.features(x, None), method.predict(x, None)
+    assert feats.dtype == logits.dtype == torch.float32
+    torch.testing.assert_close(logits, feats @ heads.T)
     assert method.extra_results()["ranpac"]["ridge_per_task"] == [float(r) for r in method.ridges]
 
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -171,6 +172,13 @@ class RanPAC(Method):
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         """h(x) = ReLU(phi(x) W) of the adapted ViT's features (phi itself without the projection)."""
         return self.expand(vit_features(self.backbone, x))
+
+    def head_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
+        """h(x) · W_o[c] in fp32 whatever the autocast: a ridge solution's weights can be large and cancel, which
+        bf16's 8 bits would not keep."""
+        head = self.heads[task_id]
+        with torch.autocast(feats.device.type, enabled=False):
+            return F.linear(feats.float(), head.weight, head.bias)
 
     # ----------------------------------------------------------------------------- bookkeeping
     def storage(self) -> dict[str, Any]:

@@ -12,8 +12,9 @@ from torch import nn
 
 
 def cosine_logits(feats: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """cos(x, w_c) for every row x of ``feats`` and row w_c of ``weight``, in fp32."""
-    return F.normalize(feats.float(), dim=1) @ F.normalize(weight.float(), dim=1).T
+    """cos(x, w_c) for every row x of ``feats`` and row w_c of ``weight``, in fp32 whatever the autocast around it."""
+    with torch.autocast(feats.device.type, enabled=False):
+        return F.normalize(feats.float(), dim=1) @ F.normalize(weight.float(), dim=1).T
 
 
 class CosineHead(nn.Module):
