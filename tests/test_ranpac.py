@@ -154,6 +154,8 @@ def test_the_head_is_the_officials_replace_fc_task_after_task() -> None:
         seen = task.offset + task.num_classes
         g, q, ridge, wo = ref.replace_fc(g, q, rows, labels, None, total_classnum=rt.benchmark.num_classes, seen=seen)
         assert float(method.ridges[task.id]) == ridge, task.id
+        _, losses = ref.optimise_ridge_parameter(rows, ref.target2onehot(labels, rt.benchmark.num_classes))
+        torch.testing.assert_close(method.holdout_mse[task.id], torch.tensor(losses, dtype=F64), rtol=1e-6, atol=0)
     heads = torch.cat([head.weight for head in method.heads])
     torch.testing.assert_close(heads, wo.float(), rtol=1e-4, atol=1e-5)
     x = rt.test_tf(rt.benchmark.test[0].x[:5])
@@ -195,7 +197,8 @@ def test_after_the_first_session_only_the_head_changes() -> None:
 def test_a_checkpoint_replay_restores_the_statistics_and_the_seed_redraws_the_projection() -> None:
     method, rt = run_tasks()
     state = method.state_dict()
-    assert {"stats.gram", "stats.cross", "rp_seed", "ridges"} <= state.keys() and "projection" not in state
+    assert {"stats.gram", "stats.cross", "rp_seed", "ridges", "holdout_mse"} <= state.keys()
+    assert "projection" not in state  # drawn from the seed
     assert state["stats.gram"].dtype == F64 and state["stats.gram"].shape == (40, 40)
     fresh, _ = build_runtime(tiny_config("method=ranpac", "method.M=40", "trainer.epochs=1", "seed=5"))
     assert not torch.equal(fresh.projection, method.projection)  # another run's seed
@@ -216,7 +219,7 @@ def test_the_artifacts_hold_what_evaluation_needs_and_not_the_statistics(tmp_pat
 
     saved = load_file(tmp_path / "method_artifacts.safetensors")
     assert not any("gram" in k or "cross" in k for k in saved) and "rp_seed" in saved
-    assert {k.split(".")[0] for k in saved} == {"head", "petl", "rp_seed", "ridges"}
+    assert {k.split(".")[0] for k in saved} == {"head", "petl", "rp_seed", "ridges", "holdout_mse"}
 
 
 def test_storage_states_the_ridge_heads_state() -> None:

@@ -124,6 +124,7 @@ class FirstSession(nn.Module):
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore :meth:`state`'s tensors."""
         if self.tuned is not None:
-            self.tuned.load_state_dict({k.removeprefix("tuned."): v for k, v in tensors.items() if k[:6] == "tuned."})
+            tuned = {k.removeprefix("tuned."): v for k, v in tensors.items() if k.startswith("tuned.")}
+            self.tuned.load_state_dict(tuned)
         elif self.petl:
             self.petl.load(tensors, "petl.")

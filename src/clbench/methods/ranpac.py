@@ -79,9 +79,10 @@ class RanPAC(Method):
         self.register_buffer("rp_seed", torch.tensor(seed % 2**63, dtype=torch.long))
         self.register_buffer("projection", self.draw_projection(), persistent=False)
         self.register_buffer("ridges", torch.zeros(len(self.tasks), dtype=torch.float64))  # lambda per task
+        # each candidate's held-out error per task (zeros where lambda is fixed)
+        self.register_buffer("holdout_mse", torch.zeros(len(self.tasks), len(RIDGES), dtype=torch.float64))
         self.stats = RidgeStatistics()
         self.task_stats: HoldoutStatistics | None = None
-        self.holdout_losses: dict[int, list[float]] = {}
         self.register_load_state_dict_post_hook(lambda module, keys: module.redraw_projection())
 
     # ----------------------------------------------------------------------------- the random projection
@@ -155,7 +156,7 @@ class RanPAC(Method):
             ridge, losses = select_ridge(
                 task_stats.gram, task_stats.cross, task_stats.held, task_stats.targets(), RIDGES
             )
-            self.holdout_losses[task.id] = losses
+            self.holdout_mse[task.id] = torch.tensor(losses, dtype=torch.float64)
         self.ridges[task.id] = ridge
         task_stats.fold_into(self.stats)
         del task_stats
@@ -196,24 +197,24 @@ class RanPAC(Method):
         return 0 if self.first.kind == "none" else sum(p.numel() for p in self.first.trained())
 
     def extra_results(self) -> dict[str, Any]:
-        """lambda per task (and each candidate's held-out error), the projection's seed and width."""
-        return {
-            "ranpac": {
-                "M": self.config.M,
-                "rp_seed": int(self.rp_seed),
-                "ridge_per_task": self.ridges[: self.num_seen].tolist(),
-                "holdout_mse": {str(t): losses for t, losses in self.holdout_losses.items()},
-            }
-        }
+        """lambda per task (and, where it was chosen, each candidate's held-out error), the projection's seed and
+        width."""
+        out = {"M": self.config.M, "rp_seed": int(self.rp_seed)}
+        out["ridge_per_task"] = self.ridges[: self.num_seen].tolist()
+        if self.config.ridge is None:
+            out["ridge_candidates"] = list(RIDGES)
+            out["holdout_mse"] = self.holdout_mse[: self.num_seen].tolist()
+        return {"ranpac": out}
 
     def artifacts(self) -> dict[str, torch.Tensor]:
-        return super().artifacts() | self.first.state() | {"rp_seed": self.rp_seed.clone(), "ridges": self.ridges}
+        own = {"rp_seed": self.rp_seed, "ridges": self.ridges, "holdout_mse": self.holdout_mse}
+        return super().artifacts() | self.first.state() | {k: v.clone() for k, v in own.items()}
 
     @torch.no_grad()
     def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_artifacts(tensors)
         self.first.load(tensors)
         self.first.freeze()
-        self.ridges.copy_(tensors["ridges"])
-        self.rp_seed.copy_(tensors["rp_seed"])
+        for name in ("ridges", "holdout_mse", "rp_seed"):
+            getattr(self, name).copy_(tensors[name])
         self.redraw_projection()
