@@ -289,7 +289,7 @@ def test_an_unknown_table_lists_the_known_ones(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit) as exit_:
         report_main(["--table", "l2p_tabel1", str(tmp_path)])
     assert exit_.value.code == 2
-    assert "Known tables: l2p_table1, meat_table1" in capsys.readouterr().err
+    assert "Known tables: aper, l2p_table1, meat_table1, ranpac" in capsys.readouterr().err
 
 
 def test_the_meat_table_reads_each_datasets_final_til_accuracy_and_the_stored_size(tmp_path: Path) -> None:
