@@ -39,10 +39,11 @@ from clbench.loop.step import WARMUP_STEPS, train_step
 from clbench.loop.task import Hooks, PhaseRun, run_task
 from clbench.methods import TRAINED, ctr, meat
 from clbench.methods.base import Method
+from clbench.methods.parts.bottleneck import Bottleneck
 from conftest import TINY, attention_ops, clbench, compose_config, run_command, torchrun
 
 METHODS = TRAINED
-ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm")
+ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm", "aper")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 # ViT-S/16 at 224 px, random weights (no download on a GPU machine without network), synthetic 2-class tasks.
@@ -79,11 +80,17 @@ def deterministic_gate(logits: torch.Tensor, sample: bool) -> torch.Tensor:
     return deterministic_gumbel(logits, 1.0)
 
 
+def bottleneck_without_dropout(self: Bottleneck, x: torch.Tensor) -> torch.Tensor:
+    """An adapter's bottleneck without its dropout (AdaptFormer's 0.1 in APER's and RanPAC's first session)."""
+    return self.up(self.activation(self.down(x)))
+
+
 def without_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The methods' Gumbel draws (MEAT's token masks, CTR's transfer gates) replaced by their noise-free samples: the
-    CPU and CUDA generators, and eager and compiled steps, draw differently."""
+    """The methods' Gumbel draws (MEAT's token masks, CTR's transfer gates) replaced by their noise-free samples, and
+    adapters' dropout left out: the CPU and CUDA generators, and eager and compiled steps, draw differently."""
     monkeypatch.setattr(meat, "hard_gumbel_keep", deterministic_gumbel)
     monkeypatch.setattr(ctr, "hard_gate", deterministic_gate)
+    monkeypatch.setattr(Bottleneck, "forward", bottleneck_without_dropout)
 
 
 def comparable(key: str, value: torch.Tensor) -> torch.Tensor:

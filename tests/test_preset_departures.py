@@ -1,8 +1,9 @@
 """Each paper preset of the table (the prompt methods', the L2P table's L2P rows, HAT's, PackNet's, Piggyback's,
-SupSup's) against its official code (tests/oracles/official_presets.yaml: each key's official value,
-read from the code at a commit, file and line): a key whose composed value differs from the official one must be
-named on a "# Departure keys:" line of the preset or of a preset it extends (whose comment then says why and how to
-get the official value), and a key named there must differ (no stale claims)."""
+SupSup's, and the rows of the Protocol-P tables: APER's, SimpleCIL's, RanPAC's) against its official code
+(tests/oracles/official_presets.yaml: each key's official value, read from the code at a commit, file and line): a
+key whose composed value differs from the official one must be named on a "# Departure keys:" line of the preset or
+of a preset it extends (whose comment then says why and how to get the official value), and a key named there must
+differ (no stale claims)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from clbench.config import config_dir
+from clbench.paper_table import load_table
 from conftest import compose_config
 
 OFFICIAL = yaml.safe_load((Path(__file__).parent / "oracles" / "official_presets.yaml").read_text())
@@ -30,7 +32,25 @@ def stated(preset: str) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("preset", sorted(OFFICIAL))
+def missing_groups(preset: str) -> list[str]:
+    """The data and backbone configs ``preset`` (or a preset it extends) names that conf/ does not hold."""
+    text = (config_dir() / "experiment" / f"{preset}.yaml").read_text()
+    named = re.findall(r"^\s*- override /(data|backbone): (\w+)", text, re.MULTILINE)
+    missing = [f"{group}={name}" for group, name in named if not (config_dir() / group / f"{name}.yaml").is_file()]
+    for parent in re.findall(r"^\s*- /experiment/(\w+)", text, re.MULTILINE):
+        missing += missing_groups(parent)
+    return missing
+
+
+def until_its_configs_land(preset: str) -> object:
+    """The preset as a parameter, expected to fail (strictly) while a data or backbone config it names is missing
+    (the Protocol-P pack's, from its own branch), run as usual after."""
+    lacking = missing_groups(preset)
+    mark = pytest.mark.xfail(bool(lacking), reason=f"needs {', '.join(lacking)}", strict=True)
+    return pytest.param(preset, marks=mark, id=preset)
+
+
+@pytest.mark.parametrize("preset", [until_its_configs_land(p) for p in sorted(OFFICIAL)])
 def test_a_paper_preset_states_each_key_where_it_departs_from_its_official_code(preset: str) -> None:
     values = OFFICIAL[preset]["values"]
     cfg = compose_config(f"experiment={preset}")
@@ -60,3 +80,5 @@ WITHOUT_OFFICIAL = {
 def test_every_paper_preset_is_held_to_its_official_code_or_says_why_not() -> None:
     presets = {p.stem for p in (config_dir() / "experiment").glob("*_paper*.yaml")}
     assert presets - set(OFFICIAL) == set(WITHOUT_OFFICIAL)
+    for name in ("aper", "ranpac"):  # the Protocol-P tables: every row's preset
+        assert {row.preset for row in load_table(name).rows} <= set(OFFICIAL), name

@@ -16,6 +16,7 @@ from clbench.errors import ConfigError, DataError
 from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import Runtime
+from clbench.methods import PTM_METHODS
 from conftest import TINY, clbench, run_command, tiny_config
 
 CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2", "data.val_fraction=0.2")
@@ -38,6 +39,9 @@ def matrices(results_json: Path) -> dict:
         ("meat", ("step", 9)),
         ("l2p", ("step", 14)),
         ("supsup", ("step", 7)),
+        ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
+        ("ranpac", ("step", 4)),
+        ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
@@ -124,6 +128,29 @@ def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
         assert matrices(run_dir / "results.json") == expected, name
         runs = sorted((run_dir / "wandb").glob("offline-run-*"))
         assert len(runs) == 2 and len({r.name.rsplit("-", 1)[-1] for r in runs}) == 1  # the same W&B run id
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", PTM_METHODS)
+def test_a_first_session_method_killed_in_or_after_its_first_session_resumes_to_the_same_results(
+    tmp_path: Path, method: str
+) -> None:
+    """SIGKILL after the first epoch's checkpoint of the first session (the PETL module and its head mid-training)
+    and after the first task's (the prototypes, or the ridge statistics G and Q with the projection's seed), then
+    resume=true: the uninterrupted run's matrices."""
+    overrides = (*TINY, *CHECKPOINTED, f"method={method}", "logger.mode=disabled")
+    whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-2000:]
+    expected = matrices(tmp_path / "whole" / "results.json")
+    for name, after in (("in_session", 1), ("after_task_0", 3)):  # saves: epoch 0, epoch 1, the task's end
+        run_dir = tmp_path / name
+        killed = clbench_killing_itself(run_dir, "KILL", after, *overrides)
+        assert killed.returncode == -9, killed.stderr[-2000:]
+        position, _ = checkpoint.load(run_dir)
+        assert (position.task, position.cursor is None) == ((0, False) if name == "in_session" else (1, True))
+        resumed = clbench(*overrides, "resume=true", f"hydra.run.dir={run_dir}", cwd=tmp_path)
+        assert resumed.returncode == 0, resumed.stderr[-2000:]
+        assert matrices(run_dir / "results.json") == expected, name
 
 
 def test_sigterm_writes_a_checkpoint_mid_epoch_and_exits_cleanly(tmp_path: Path) -> None:

@@ -81,7 +81,8 @@ def run_task(
             update_memory(method, task, rt)
             method.train()
         elif phase.observe:
-            images += observe_pass(method, task, phase_data(method, phase, split, rt.streamed_from), rt, hooks.stop)
+            data = phase_data(method, phase, split, rt.streamed_from)
+            images += observe_pass(method, task, data, rt, hooks.stop, augment=phase.augment)
             method.train()
         elif phase.epochs:
             data = phase_data(method, phase, split, rt.streamed_from)
@@ -368,20 +369,29 @@ def throughput(images_per_s: float) -> str:
 
 @torch.no_grad()
 def observe_pass(
-    method: Method, task: Task, split: Split, rt: Runtime, stop: Callable[[], int | None] | None = None
+    method: Method,
+    task: Task,
+    split: Split,
+    rt: Runtime,
+    stop: Callable[[], int | None] | None = None,
+    *,
+    augment: bool = False,
 ) -> int:
-    """An ``observe`` phase: the task's training images once, in order, through the test transform (no augmentation)
-    and ``method.observe`` in eval mode, each rank its share of every batch; then the method's sums are added up over
-    the ranks. A stop signal ends it without a checkpoint: resuming repeats the pass from the task's start."""
+    """An ``observe`` phase: the task's training images once, in order, through the test transform (``augment``: the
+    training transform, its random draws made for the whole batch as in training) and ``method.observe`` in eval
+    mode, each rank its share of every batch; then the method's sums are added up over the ranks. A stop signal ends
+    it without a checkpoint: resuming repeats the pass from the task's start."""
     method.eval()
     size = rt.cfg.trainer.batch_size
+    transform = rt.train_tf if augment else rt.test_tf
     for index, (x_raw, y) in enumerate(split.batches(size, rows=rt.ranks.rows())):
         part, weight = rt.ranks.shard(len(y))
         method.batch_share = (len(y), part)  # per-sample draws (EWC's sampled labels) made for the whole batch
+        x = transform(x_raw, part)  # on every rank: augmentation draws keep the ranks' random streams in lockstep
         if weight:
             rows = torch.arange(index * size, index * size + len(y), device=y.device)[part]
             with rt.autocast:
-                method.observe(rt.test_tf(x_raw, part), y[part], task, rows)
+                method.observe(x, y[part], task, rows)
         signum = stop() if stop is not None else None
         if signum is not None:
             raise Preempted(f"stopped by {signal.Signals(signum).name} while observing task {task.id}", signum)

@@ -5,8 +5,11 @@ from clbench.methods.base import Method, Phase
 # The rows the founding papers' tables compare against (L2P Table 1, MEAT Table 1): regularisation, rehearsal and
 # parameter-isolation baselines.
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
+# The pretrained-model era's methods: adapt a pretrained ViT (here in the first session only), then classify over its
+# frozen features.
+PTM_METHODS = ("aper", "ranpac")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
-# methods, the rest of the mask survey, the baselines), then SimpleCIL, which only observes.
+# methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (
     "finetune",
     "joint",
@@ -23,7 +26,8 @@ TRAINED = (
     "ksm",
     "tfm",
     *BASELINES,
+    *PTM_METHODS,
 )
 METHODS = (*TRAINED, "simplecil")
 
-__all__ = ["BASELINES", "METHODS", "TRAINED", "Method", "Phase"]
+__all__ = ["BASELINES", "METHODS", "PTM_METHODS", "TRAINED", "Method", "Phase"]

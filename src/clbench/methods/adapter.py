@@ -53,6 +53,7 @@ from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.base import HEAD_INITS, Logs, Method, Phase, init_head
+from clbench.methods.parts.bottleneck import Bottleneck
 
 
 @dataclass
@@ -75,7 +76,12 @@ class AdapterConfig:
         require_choice("method.head_init", self.head_init, HEAD_INITS)
 
 
-class HoulsbyAdapter(nn.Module):
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """BERT's tanh-approximated GELU (adapter-bert modeling.py ``gelu``)."""
+    return F.gelu(x, approximate="tanh")
+
+
+class HoulsbyAdapter(Bottleneck):
     """A(h) = h + W_up · GELU(W_down · h + b_down) + b_up (Houlsby §2.1; adapter-bert modeling.py L321-360)."""
 
     def __init__(
@@ -86,16 +92,14 @@ class HoulsbyAdapter(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
-        super().__init__()
-        self.down = nn.Linear(dim, bottleneck, device=device, dtype=dtype)
-        self.up = nn.Linear(bottleneck, dim, device=device, dtype=dtype)
+        super().__init__(dim, bottleneck, gelu_tanh, device=device, dtype=dtype)
         with torch.no_grad():
             for lin in (self.down, self.up):
                 nn.init.trunc_normal_(lin.weight, std=init_std, a=-2 * init_std, b=2 * init_std)
                 nn.init.zeros_(lin.bias)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return h + self.up(F.gelu(self.down(h), approximate="tanh"))
+        return h + super().forward(h)
 
 
 class AdaptedSublayer(nn.Module):

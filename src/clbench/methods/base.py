@@ -65,18 +65,21 @@ def init_head(head: nn.Linear, kind: str) -> None:
 @dataclass(frozen=True)
 class Phase:
     """A stretch of training with its own optimizer and schedule (e.g. PackNet's train, then retrain). An
-    ``observe`` phase has no optimizer: one pass over the task's training data, without augmentation, hands every
-    batch to :meth:`Method.observe` (SimpleCIL's prototypes). A ``memory`` phase updates the rehearsal memory from the
-    task's training data with its sampler (balanced, herding, greedy). ``data``: what a training phase trains on:
-    ``task`` (the task's data, or what :meth:`Method.train_task_ids` names), ``memory`` (the memory alone: GDumb's
-    fit), ``task+memory`` (both, shuffled together: BiC) or ``validation`` (the memory's held-out images: BiC's bias
-    stage). The images a memory holds out for validation are left out of the other three."""
+    ``observe`` phase has no optimizer: one pass over the task's training data hands every batch to
+    :meth:`Method.observe` (SimpleCIL's prototypes), through the test transform, or with ``augment`` through the
+    training one (statistics a method's code gathers from augmented images). A ``memory`` phase updates the
+    rehearsal memory from the task's training data with its sampler (balanced, herding, greedy). ``data``: what a
+    training phase trains on: ``task`` (the task's data, or what :meth:`Method.train_task_ids` names), ``memory``
+    (the memory alone: GDumb's fit), ``task+memory`` (both, shuffled together: BiC) or ``validation`` (the memory's
+    held-out images: BiC's bias stage). The images a memory holds out for validation are left out of the other
+    three."""
 
     name: str
     epochs: int
     observe: bool = False
     memory: bool = False
     data: str = "task"
+    augment: bool = False
 
 
 class Method(nn.Module):

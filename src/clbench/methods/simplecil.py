@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from clbench.data import Task
 from clbench.methods.base import Method, Phase
+from clbench.methods.parts.cosine import cosine_logits
 
 
 @dataclass
@@ -72,7 +72,7 @@ class SimpleCIL(Method):
 
     def head_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
         """Cosine similarity between the features and the task's prototypes."""
-        return F.normalize(feats.float(), dim=1) @ F.normalize(self.heads[task_id].weight.float(), dim=1).T
+        return cosine_logits(feats, self.heads[task_id].weight)
 
     def storage(self) -> dict[str, Any]:
         """32-bit prototypes, one per class; nothing is trained."""

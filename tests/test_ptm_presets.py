@@ -1,0 +1,90 @@
+"""The Protocol-P presets of APER (every variant), SimpleCIL and RanPAC, and the tables of their repositories' numbers
+(``clbench-report --table aper`` / ``ranpac``): every row's preset exists, a glob sweeps exactly the table, each preset
+names a Protocol-P data config, and its method and recipe build and take the first session's step (on the embedded
+micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each preset, benchmark
+included, to its official code's values)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from clbench import paper_table
+from clbench.config import config_dir, validate
+from clbench.loop.runtime import build_runtime
+from conftest import compose_config
+from test_presets import first_step
+
+CONF = config_dir()
+PROTOCOL_P = {  # the pack's data configs, by their fixed names
+    "cifar224_b0inc5",
+    "cifar224_b0inc10",
+    "imagenet_r_p_b0inc5",
+    "imagenet_r_p_b0inc10",
+    "imagenet_r_p_b0inc20",
+    "imagenet_a_p_b0inc10",
+    "imagenet_a_p_b0inc20",
+    "cub_p_b0inc10",
+    "cub_p_b0inc20",
+    "objectnet_p_b0inc10",
+    "objectnet_p_b0inc20",
+    "omnibench_p_b0inc20",
+    "omnibench_p_b0inc30",
+    "vtab_p_b0inc10",
+}
+TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*"}
+# In place of the benchmark and ViT-B/16: the embedded micro ViT (its shipped weights) on tiny synthetic tasks.
+TINY_STAND_INS = (
+    "data=synthetic_tiny",
+    "data.synthetic_image_size=32",
+    "backbone=vit_micro",
+    "logger.mode=disabled",
+)
+
+
+def presets(table: str) -> list[str]:
+    return [row.preset for row in paper_table.load_table(table).rows]
+
+
+def test_every_row_has_its_preset_and_the_glob_sweeps_exactly_the_table() -> None:
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
+    parser = OverridesParser.create(config_loader=loader)
+    for table, pattern in TABLES.items():
+        rows = presets(table)
+        assert all((CONF / "experiment" / f"{p}.yaml").is_file() for p in rows), table
+        assert f"experiment=glob({pattern})" in paper_table.load_table(table).multirun
+        (override,) = parser.parse_overrides([f"experiment=glob({pattern})"])
+        assert sorted(override.sweep_string_iterator()) == sorted(rows), table
+    assert len(presets("aper")) == 6 * 7 and len(presets("ranpac")) == 6
+
+
+@pytest.mark.parametrize("preset", [*presets("aper"), *presets("ranpac")])
+def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recipe(preset: str) -> None:
+    text = (CONF / "experiment" / f"{preset}.yaml").read_text()
+    (data,) = re.findall(r"^\s*- override /data: (\w+)", text, re.MULTILINE)
+    assert data in PROTOCOL_P
+    cfg = validate(compose_config(f"experiment={preset}", *TINY_STAND_INS))
+    assert cfg.backbone.pretrained and not cfg.backbone.normalize  # pixels in [0, 1], as every one of the codes
+    if preset.startswith("simplecil"):
+        return  # it has no training step
+    assert cfg.trainer.optimizer == "sgd" and cfg.trainer.momentum == 0.9 and cfg.trainer.min_lr == 0.0
+    method, rt = build_runtime(cfg)
+    assert torch.isfinite(first_step(method, rt))
+
+
+def test_the_tables_read_protocol_ps_micro_metrics_for_aper_and_the_per_task_mean_for_ranpac() -> None:
+    """APER's logs report top-1 over all seen test images (Ā and A_T, micro); RanPAC's tables the final mean of
+    per-task accuracies (clbench's macro final accuracy)."""
+    aper, ranpac = paper_table.load_table("aper"), paper_table.load_table("ranpac")
+    assert [c.reads for c in aper.columns] == ["metrics.cil.avg_incremental_acc_micro", "metrics.cil.final_acc_micro"]
+    assert [c.reads for c in ranpac.columns] == ["metrics.cil.final_acc"]
+    (row,) = [r for r in aper.rows if r.preset == "aper_adapter_cifar224_b0inc5"]
+    assert row.published == {"avg_acc": (90.61, None), "last_acc": (85.14, None)}
+    (row,) = [r for r in ranpac.rows if r.preset == "ranpac_imagenet_r_p_b0inc20"]
+    assert row.published == {"final_acc": (77.9, None)}
