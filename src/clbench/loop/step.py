@@ -35,6 +35,7 @@ from timm.data import Mixup
 from torch import nn
 from torch._dynamo.utils import counters
 
+from clbench.config import TrainerConfig
 from clbench.data import Task
 from clbench.errors import GraphCaptureError
 from clbench.loop.runtime import Runtime, replay_rows
@@ -90,6 +91,8 @@ def train_step(
     mixing: Mixup | None = None,
     replay: bool = False,
     ids: torch.Tensor | None = None,
+    features: bool = False,
+    trainer: TrainerConfig | None = None,
 ) -> StepOut:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
     surgery, clipping, the optimizer step, the method's constraints, and the batch offered to a reservoir memory.
@@ -97,11 +100,17 @@ def train_step(
     run, where this rank trains on its share of the batch, its loss weighted so that the averaged gradients are the
     whole batch's). ``mixing``: the phase's :meth:`Runtime.mixup` (built once per phase, not per step). ``replay``:
     draw the method's memory batches (augmented like the current batch) and hand them to its loss. ``ids``: the rows'
-    positions in the phase's data, for a method that :meth:`~clbench.methods.Method.takes_ids`."""
+    positions in the phase's data, for a method that :meth:`~clbench.methods.Method.takes_ids`. ``features``: the
+    batch is drawn features (a ``features`` phase), handed to the loss as they are and never to a memory.
+    ``trainer``: the phase's settings (its gradient clipping), the run's by default."""
     labels = y
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
-    if mixing is not None and len(y) % 2 == 0:  # mixed over the whole batch, so each rank's share is one process's rows
+    if features:
+        x = x_raw[part]
+    elif (
+        mixing is not None and len(y) % 2 == 0
+    ):  # mixed over the whole batch, so each rank's share is one process's rows
         x, y = mixing(rt.train_tf(x_raw), y - task.offset)  # soft targets over the task's classes
         x = x[part]
     else:  # an odd last batch is not mixed (timm's Mixup pairs images)
@@ -117,11 +126,12 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     method.after_backward(task)
-    if rt.cfg.trainer.grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, rt.cfg.trainer.grad_clip)
+    clip = (trainer or rt.cfg.trainer).grad_clip
+    if clip:
+        torch.nn.utils.clip_grad_norm_(params, clip)
     optimizer.step()
     method.after_step(task)
-    if method.memory is not None and method.memory.sampler in STEP_SAMPLERS:
+    if not features and method.memory is not None and method.memory.sampler in STEP_SAMPLERS:
         offer(method, task, rt, x_raw, labels)
     return loss.detach(), logs
 
@@ -197,11 +207,20 @@ class Stepper:
     method's logged values, without a host sync."""
 
     def __init__(
-        self, method: Method, task: Task, rt: Runtime, optimizer: torch.optim.Optimizer, mixing: Mixup | None = None
+        self,
+        method: Method,
+        task: Task,
+        rt: Runtime,
+        optimizer: torch.optim.Optimizer,
+        mixing: Mixup | None = None,
+        *,
+        trainer: TrainerConfig | None = None,
+        features: bool = False,
     ) -> None:
         self.method, self.task, self.rt, self.optimizer, self.mixing = method, task, rt, optimizer, mixing
+        self.trainer, self.features = trainer or rt.cfg.trainer, features  # the phase's settings; drawn features
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.full = rt.cfg.trainer.batch_size
+        self.full = self.trainer.batch_size
         compiled = None
         if rt.accel.compile:
             torch._dynamo.reset()  # a phase's graph is new (its head, masks, optimizer groups): drop the last ones
@@ -217,9 +236,9 @@ class Stepper:
     def __call__(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         """One step on a raw batch (``ids``: its rows' positions in the phase's data, where the method takes them)."""
         memory = self.method.memory
-        self.replay = bool(self.method.replay_draws) and memory is not None and not memory.empty
+        self.replay = bool(self.method.replay_draws) and memory is not None and not memory.empty and not self.features
         out = self.step(x_raw, y, ids)
-        if memory is not None and memory.sampler in STEP_SAMPLERS:
+        if not self.features and memory is not None and memory.sampler in STEP_SAMPLERS:
             memory.offer_counted(len(y))  # the host's count of what the step offered (a graph replay runs no Python)
         return out
 
@@ -281,6 +300,8 @@ class Stepper:
             mixing=self.mixing,
             replay=self.replay,
             ids=ids,
+            features=self.features,
+            trainer=self.trainer,
         )
 
     def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> StepOut:

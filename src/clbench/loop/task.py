@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from rich.progress import Progress
 
 from clbench.checkpoint import Cursor
+from clbench.config import TrainerConfig
 from clbench.data import Split, Task
 from clbench.errors import Diverged, Preempted
 from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
@@ -78,11 +79,17 @@ def run_task(
             images += observe_pass(method, task, phase_data(method, phase, split, rt.streamed_from), rt, hooks.stop)
             method.train()
         elif phase.epochs:
-            data = phase_data(method, phase, split, rt.streamed_from)
+            data = None if phase.data == "features" else phase_data(method, phase, split, rt.streamed_from)
             run = PhaseRun(method, task, phase, p, split=data, rt=rt, hooks=hooks, resume=start if resumed else None)
             step, seen = run.epochs(step)
             images += seen
     return step, images
+
+
+def phase_trainer(cfg: TrainerConfig, phase: Phase) -> TrainerConfig:
+    """The run's trainer settings with the phase's own (:attr:`Phase.trainer`) in their place, checked as the run's
+    are."""
+    return dataclasses.replace(cfg, **phase.trainer) if phase.trainer else cfg
 
 
 def phase_data(method: Method, phase: Phase, split: Split, streamed_from: list[Split] | None = None) -> Split:
@@ -129,7 +136,8 @@ def update_memory(method: Method, task: Task, rt: Runtime) -> None:
 
 class PhaseRun:
     """A training phase: its optimizer, learning-rate schedule (and plateau state), stepper and epochs; ``resume``:
-    the cursor of a checkpoint written inside this phase."""
+    the cursor of a checkpoint written inside this phase. A ``features`` phase (``split`` None) trains on what
+    ``method.drawn_split`` draws for each epoch: no image is read or augmented, and none is counted as trained."""
 
     def __init__(
         self,
@@ -138,15 +146,21 @@ class PhaseRun:
         phase: Phase,
         index: int,
         *,
-        split: Split,
+        split: Split | None,
         rt: Runtime,
         hooks: Hooks,
         resume: Cursor | None = None,
     ) -> None:
-        cfg = rt.cfg.trainer
+        self.cfg = cfg = phase_trainer(rt.cfg.trainer, phase)
         self.method, self.task, self.phase, self.index = method, task, phase, index
-        self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
-        self.per_epoch = split.num_batches(cfg.batch_size)
+        self.rt, self.hooks, self.resume = rt, hooks, resume
+        self.drawn = phase.data == "features"
+        self.drawn_for = resume.epoch if resume is not None else 0  # the epoch whose features self.split holds
+        if self.drawn:
+            split = method.drawn_split(task, phase, self.drawn_for)
+        assert split is not None  # a phase of images is handed its data
+        self.split = split
+        self.per_epoch = self.split.num_batches(cfg.batch_size)
         self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
         if hooks.trains is not None:
             hooks.trains(task, phase, trained_counts(self.optimizer, parameter_parts(method, rt.backbone_parts)))
@@ -161,9 +175,9 @@ class PhaseRun:
         if resume is not None and self.plateau is not None and resume.plateau is not None:
             self.plateau = dataclasses.replace(self.plateau, **resume.plateau)
         rates_on_device(self.optimizer, rt.device)
-        mixing = rt.mixup(task)
+        mixing = None if self.drawn else rt.mixup(task)
         self.rows = rt.ranks.rows(mirrored=mixing is not None)  # what this rank reads of each streamed batch
-        self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
+        self.stepper = Stepper(method, task, rt, self.optimizer, mixing, trainer=cfg, features=self.drawn)
         self.ids = method.takes_ids()  # hand each batch's positions in the phase's data to the loss
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
 
@@ -212,7 +226,9 @@ class PhaseRun:
     def epoch(self, epoch: int, step: int, resume: Cursor | None, bar: int | None) -> tuple[int, int]:
         """The epoch's batches (from a checkpoint's batch and order when ``resume`` is set); returns (global step,
         images seen)."""
-        cfg, rt, task, hooks = self.rt.cfg.trainer, self.rt, self.task, self.hooks
+        cfg, rt, task, hooks = self.cfg, self.rt, self.task, self.hooks
+        if self.drawn and epoch != self.drawn_for:
+            self.split, self.drawn_for = self.method.drawn_split(task, self.phase, epoch), epoch
         self.method.before_epoch(task, len(self.split), cfg.batch_size)
         order = resume.order if resume is not None and resume.order is not None else self.split.permutation()
         first_batch, started = resume.batch if resume is not None else 0, time.time()
@@ -228,7 +244,7 @@ class PhaseRun:
                 self.running += loss
                 epoch_loss += loss
                 step += 1
-                images += len(y)
+                images += 0 if self.drawn else len(y)
                 signum = hooks.signal()
                 if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
                     signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
@@ -243,10 +259,11 @@ class PhaseRun:
         done = self.per_epoch - first_batch  # 0 where a checkpoint was written after the epoch's last batch
         if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
             position = f"{where(task, self.phase, epoch)} (its end), step {step}"
+            rate = min(done * cfg.batch_size, len(self.split)) / max(time.time() - started, 1e-9)
             values = {
                 "epoch_loss": check_finite(rt, epoch_loss, done, position),
                 "lr": current_lr(self.schedule),
-                "images_per_s": min(done * cfg.batch_size, len(self.split)) / max(time.time() - started, 1e-9),
+                "features_per_s" if self.drawn else "images_per_s": rate,
             }
             log_epoch(
                 f"task {task.id} {self.phase.name} epoch {epoch + 1}/{self.phase.epochs}", values, rt, hooks, step
@@ -255,7 +272,7 @@ class PhaseRun:
 
     def log_steps(self, logs: Logs, epoch: int, step: int, bar: int | None) -> None:
         """The mean loss of the last ``log_every`` steps (checked finite) and the method's values: W&B, the bar."""
-        every = self.rt.cfg.trainer.log_every
+        every = self.cfg.log_every
         mean_loss = check_finite(self.rt, self.running, every, f"{where(self.task, self.phase, epoch)}, step {step}")
         self.running.zero_()
         if self.hooks.tracker:
@@ -266,7 +283,7 @@ class PhaseRun:
 
     def after_epoch(self, epoch: int, step: int) -> bool:
         """The plateau schedule's validation and the periodic checkpoint; False once the plateau ends the phase."""
-        cfg, go_on = self.rt.cfg.trainer, True
+        cfg, go_on = self.cfg, True
         if self.plateau is not None:
             loss = validation_loss(self.method, self.task, self.rt)
             go_on = self.plateau.update(loss, self.method, cfg.lr, cfg.min_lr)
@@ -286,8 +303,9 @@ def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, s
     shows (a SLURM log, a pipe)."""
     if hooks.tracker:
         hooks.tracker.log({f"train/{k}": v for k, v in values.items()}, step)
+    unit = "features" if "features_per_s" in values else "images"
     say(
-        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {values['images_per_s']:.0f} images/s",
+        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {values[f'{unit}_per_s']:.0f} {unit}/s",
         terminal=rt.ranks.is_main and not console.is_terminal,
     )
 
