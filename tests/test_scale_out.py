@@ -87,7 +87,10 @@ EXACT_UNDER = {"lwf": ("trainer.optimizer=sgd",)}
 
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all
     "method",
-    ["finetune", *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt", *BASELINES))],
+    [
+        "finetune",
+        *(pytest.param(m, marks=pytest.mark.slow) for m in ("meat", "dualprompt", "coda_prompt", *BASELINES, "slca")),
+    ],
 )
 def test_two_gloo_processes_match_one_process_with_the_same_global_batch(tmp_path: Path, method: str) -> None:
     # batch 33 over 2 ranks: uneven shares (17/16), and a last batch the ranks split unevenly too

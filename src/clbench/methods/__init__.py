@@ -6,7 +6,8 @@ from clbench.methods.base import Method, Phase
 # parameter-isolation baselines.
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
-# methods, the rest of the mask survey, the baselines), then SimpleCIL, which only observes.
+# methods, the rest of the mask survey, the baselines, the pretrained-model methods), then SimpleCIL, which only
+# observes.
 TRAINED = (
     "finetune",
     "joint",
@@ -23,6 +24,7 @@ TRAINED = (
     "ksm",
     "tfm",
     *BASELINES,
+    "slca",
 )
 METHODS = (*TRAINED, "simplecil")
 
