@@ -152,6 +152,42 @@ def tiny_fit(*overrides: str) -> tuple[str, ...]:
     return tuple(o for method, fit in TINY_FIT.items() if f"method={method}" in overrides for o in fit)
 
 
+# Config files of the Protocol-P pack (data configs and backbone tags), named in advance and brought by another branch:
+# a preset written beside them cannot compose until they land (:func:`pending_configs`). Any other missing file is an
+# error as always.
+PROTOCOL_P_DATA = (
+    "cifar224_b0inc5",
+    "cifar224_b0inc10",
+    "imagenet_r_p_b0inc5",
+    "imagenet_r_p_b0inc10",
+    "imagenet_r_p_b0inc20",
+    "imagenet_a_p_b0inc10",
+    "imagenet_a_p_b0inc20",
+    "cub_p_b0inc10",
+    "cub_p_b0inc20",
+    "objectnet_p_b0inc10",
+    "objectnet_p_b0inc20",
+    "omnibench_p_b0inc20",
+    "omnibench_p_b0inc30",
+    "vtab_p_b0inc10",
+)
+PROTOCOL_P_BACKBONES = (
+    "vit_base_patch16_224_augreg_in21k",
+    "vit_base_patch16_224_augreg_in21k_ft_in1k",
+    "vit_base_patch16_224_augreg2_in21k_ft_in1k",
+)
+PENDING = {f"data/{n}.yaml" for n in PROTOCOL_P_DATA} | {f"backbone/{n}.yaml" for n in PROTOCOL_P_BACKBONES}
+
+
+def pending_configs(preset: str) -> list[str]:
+    """The Protocol-P config files experiment ``preset`` overrides to that this checkout does not have yet."""
+    import re
+
+    text = (config_dir() / "experiment" / f"{preset}.yaml").read_text()
+    chosen = [f"{g}/{n}.yaml" for g, n in re.findall(r"^\s*- override /(\w+): (\w+)", text, re.MULTILINE)]
+    return [c for c in chosen if c in PENDING and not (config_dir() / c).is_file()]
+
+
 def tiny_config(*overrides: str) -> RunConfig:
     return validate(compose_config(*TINY, *tiny_fit(*overrides), *overrides))
 

@@ -14,7 +14,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from clbench.config import config_dir
-from conftest import compose_config
+from conftest import compose_config, pending_configs
 
 OFFICIAL = yaml.safe_load((Path(__file__).parent / "oracles" / "official_presets.yaml").read_text())
 STATED = "# Departure keys:"
@@ -30,7 +30,14 @@ def stated(preset: str) -> set[str]:
     return keys
 
 
-@pytest.mark.parametrize("preset", sorted(OFFICIAL))
+def until_it_lands(preset: str) -> object:
+    """The preset as a parameter, expected to fail (strictly) while a config it needs is missing, run as usual after."""
+    lacking = pending_configs(preset)
+    mark = pytest.mark.xfail(bool(lacking), reason=f"needs {', '.join(lacking)}", strict=True)
+    return pytest.param(preset, marks=mark, id=preset)
+
+
+@pytest.mark.parametrize("preset", [until_it_lands(p) for p in sorted(OFFICIAL)])
 def test_a_paper_preset_states_each_key_where_it_departs_from_its_official_code(preset: str) -> None:
     values = OFFICIAL[preset]["values"]
     cfg = compose_config(f"experiment={preset}")
