@@ -244,3 +244,13 @@ def test_online_logging_without_network_falls_back_to_offline(tmp_path: Path, mo
     results = train(cfg, tmp_path)
     assert results.status == "finished"
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_a_clbench_process_logs_through_a_wandb_service_of_its_own(tmp_path: Path) -> None:
+    """A process that called wandb.init (a notebook, a test runner) exports WANDB_SERVICE to its children; a clbench
+    run that joined that service would leave a killed run's stream open there and have its resume refused ("run ID
+    ... is in use", seen under load). A service address that leads nowhere shows the run does not use it."""
+    out = clbench(*TINY, "logger.mode=offline", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                  WANDB_SERVICE="3-1-unix-/nonexistent/socket")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))

@@ -323,6 +323,10 @@ def main() -> None:
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra.run.dir=."]
     for sig in (signal.SIGINT, signal.SIGTERM):  # the training loop installs its own handlers while it runs
         signal.signal(sig, interrupted)
+    # A clbench process logs through a W&B service of its own: one inherited from the process that started it
+    # (WANDB_SERVICE, set by any wandb.init there) keeps a killed run's stream open, and refuses its resume ("run ID
+    # ... is in use").
+    os.environ.pop("WANDB_SERVICE", None)
     held = HeldStderr.hold()
     try:
         app()
