@@ -41,7 +41,7 @@ from clbench.loop.task import Hooks, PhaseRun, run_task
 from clbench.methods import TRAINED, ctr, meat
 from clbench.methods.base import Method, Phase
 from clbench.methods.parts.bottleneck import Bottleneck
-from conftest import TINY, attention_ops, clbench, compose_config, run_command, torchrun
+from conftest import TINY, attention_ops, clbench, compose_config, run_command, said, torchrun
 
 METHODS = TRAINED
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm", "aper")
@@ -473,7 +473,7 @@ def test_one_process_nccl_ddp_equals_the_plain_run(tmp_path: Path) -> None:
     plain = clbench(*overrides, f"hydra.run.dir={tmp_path / 'plain'}", cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     ddp = torchrun(1, *overrides, f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.returncode == 0, said(ddp)
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "ddp"))
     assert b["status"] == "finished" and a["acc_matrix"] == b["acc_matrix"]
 
