@@ -14,7 +14,7 @@ writes in place; the zero-forgetting methods' bit-exact TIL; a run killed mid-ta
 run's results.
 
 Marked ``gpu``: deselected by `make test`, skipped cleanly without CUDA. The CPU halves of the comparisons run in
-the default suite (``test_the_cpu_reference_of_the_comparison_is_deterministic``).
+the default suite (``test_the_cpu_reference_of_the_comparison_is_deterministic``; MIN's in ``make test-all``).
 """
 
 from __future__ import annotations
@@ -201,7 +201,7 @@ def strict_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-@pytest.mark.parametrize("method_name", ["meat", "l2p", "ctr", "min"])
+@pytest.mark.parametrize("method_name", ["meat", "l2p", "ctr", pytest.param("min", marks=pytest.mark.slow)])
 def test_the_cpu_reference_of_the_comparison_is_deterministic(
     method_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
