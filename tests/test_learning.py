@@ -168,7 +168,7 @@ def test_slca_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_pa
     assert slca >= simplecil and slca > alone + 10, (slca, simplecil, alone)
 
 
-@pytest.mark.slow  # 90 s: three runs of the 5 digit tasks (make test-all)
+@pytest.mark.slow  # 64 s: three runs of the 5 digit tasks (make test-all)
 def test_min_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_path: Path) -> None:
     """A pretrained-model method must clear SimpleCIL (the frozen features' prototypes); MIN's paper reports it above
     the methods that report themselves above SimpleCIL. On the 5 digit tasks (measured, seed 0: SimpleCIL 80.7, the
