@@ -42,6 +42,8 @@ def matrices(results_json: Path) -> dict:
         ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
         ("ranpac", ("step", 4)),
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
+        ("min", ("step", 11)),  # in task 1's noise phase: its fit passes' statistics, its generator, W_aux, omega
+        pytest.param("min", ("evaluate", 6), marks=pytest.mark.slow),  # the mid-task case above in the default suite
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
