@@ -42,12 +42,23 @@ def matrices(results_json: Path) -> dict:
         ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
         ("ranpac", ("step", 4)),
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
+        ("sdlora", ("step", 4)),  # mid-task: the current component and every magnitude
+        ("sdlora", ("evaluate", 6)),  # between tasks: the bank and the carried magnitudes
+        ("sdlora-reset", ("step", 11)),  # mid task 1 on the code's path: the renormalised bank, the reset magnitudes
+        ("inflora", ("step", 4)),  # mid-task: the designed A_t (no data to redesign it from on resume)
+        ("inflora", ("evaluate", 6)),  # between tasks: the DualGPM bases
+        ("inflora-before", ("step", 11)),  # mid task 1: the design pass's moments, which grow the subspace after it
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, crash_at: tuple[str, int]
 ) -> None:
-    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
+    method, _, variant = method.partition("-")
+    extra = {
+        "packnet": ("method.retrain_epochs=1",),
+        "sdlora": ("method.alpha_carry=reset",) if variant else (),
+        "inflora": ("method.subspace_pass=before",) if variant else (),
+    }.get(method, ())
     overrides = (f"method={method}", *CHECKPOINTED, *extra)
     train(tiny_config(*overrides), tmp_path / "whole")
     expected = matrices(tmp_path / "whole" / "results.json")
