@@ -6,8 +6,9 @@ from clbench.methods.base import Method, Phase
 # parameter-isolation baselines.
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
 # The pretrained-model era's methods: adapt a pretrained ViT in the first session only, then classify over its frozen
-# features (APER, RanPAC); or a low-rank update of its attention a task (SD-LoRA, InfLoRA).
-PTM_METHODS = ("aper", "ranpac", "sdlora", "inflora")
+# features (APER, RanPAC); train it slowly beside the head (SLCA); or a low-rank update of its attention a task
+# (SD-LoRA, InfLoRA).
+PTM_METHODS = ("aper", "ranpac", "slca", "sdlora", "inflora")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
 # methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (
