@@ -33,10 +33,11 @@ SHRINK = (
 
 
 def first_step(method: Method, rt: Runtime) -> torch.Tensor:
-    """One training step of the first task with the preset's own phase, optimizer and transforms; its loss."""
+    """One training step of the first task with the preset's own (first trained) phase, optimizer and transforms; its
+    loss."""
     cfg, task = rt.cfg, rt.benchmark.tasks[0]
     method.before_task(task)
-    phase = method.phases(task, cfg.trainer.epochs)[0]
+    phase = next(p for p in method.phases(task, cfg.trainer.epochs) if not p.observe)
     method.before_phase(task, phase)
     optimizer = build_optimizer(method, task, phase, cfg.trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
