@@ -42,12 +42,14 @@ def matrices(results_json: Path) -> dict:
         ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
         ("ranpac", ("step", 4)),
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
-        ("sdlora", ("step", 4)),  # mid-task: the current component and every magnitude
-        ("sdlora", ("evaluate", 6)),  # between tasks: the bank and the carried magnitudes
+        # SD-LoRA and InfLoRA: one case each in the default suite (mid task 1: the bank, the bases, the current
+        # component all come back), the rest in make test-all
+        pytest.param("sdlora", ("step", 4), marks=pytest.mark.slow),  # mid-task: the current component, magnitudes
+        pytest.param("sdlora", ("evaluate", 6), marks=pytest.mark.slow),  # between tasks: the bank, carried magnitudes
         ("sdlora-reset", ("step", 11)),  # mid task 1 on the code's path: the renormalised bank, the reset magnitudes
-        ("inflora", ("step", 4)),  # mid-task: the designed A_t (no data to redesign it from on resume)
-        ("inflora", ("evaluate", 6)),  # between tasks: the DualGPM bases
-        ("inflora-before", ("step", 11)),  # mid task 1: the design pass's moments, which grow the subspace after it
+        pytest.param("inflora", ("step", 4), marks=pytest.mark.slow),  # mid-task: the designed A_t (no data to redo it)
+        pytest.param("inflora", ("evaluate", 6), marks=pytest.mark.slow),  # between tasks: the DualGPM bases
+        ("inflora-before", ("step", 11)),  # mid task 1: task 0's bases, A_1, the design pass's moments growing the next
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
