@@ -322,7 +322,13 @@ def test_parallel_jobs_split_the_cores() -> None:
 METHODS = ALL_METHODS
 
 
-@pytest.mark.parametrize("method", baselines_slow(METHODS))
+# SD-LoRA's and InfLoRA's resume: test_resume.py's mid-task cases in the default suite, a random point in test-all.
+LORA = ("sdlora", "inflora")
+
+
+@pytest.mark.parametrize(
+    "method", [pytest.param(m, marks=pytest.mark.slow) if m in LORA else m for m in baselines_slow(METHODS)]
+)
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

@@ -56,8 +56,10 @@ def check_forgetting(method: str, forgetting: float) -> None:
 
 
 # HAT's default recipe trains 50 epochs: its first task alone takes 2.5 minutes of one core, a sixth of the default
-# suite's budget; its case runs in make test-all (test_hat.py checks its rules in the default suite).
-LONG_FIRST_TASK = {"hat"}
+# suite's budget; its case runs in make test-all (test_hat.py checks its rules in the default suite). SD-LoRA's and
+# InfLoRA's 20 epochs take 11 s each: theirs too (test_sdlora.py, test_inflora.py and test_resume.py train them in the
+# default suite).
+LONG_FIRST_TASK = {"hat", "sdlora", "inflora"}
 
 
 @pytest.mark.parametrize(
