@@ -170,7 +170,7 @@ def test_slca_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_pa
     assert slca >= simplecil and slca > alone + 10, (slca, simplecil, alone)
 
 
-@pytest.mark.slow  # 140 s: two runs of the 5 digit tasks (make test-all)
+@pytest.mark.slow  # 2 min: two runs of the 5 digit tasks (make test-all)
 @pytest.mark.parametrize("method", ["sdlora", "inflora"])
 def test_the_lora_methods_cil_errors_on_the_embedded_default_are_wrong_tasks(method: str, tmp_path: Path) -> None:
     """SD-LoRA and InfLoRA stay below SimpleCIL's CIL here (measured: 55.5 and 26.8 against 80.7; docs: SD-LoRA and
