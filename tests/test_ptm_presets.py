@@ -1,10 +1,12 @@
-"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC and MIN, and the tables of their published numbers
-(``clbench-report --table aper`` / ``ranpac`` / ``min``): every row's preset exists, a glob sweeps exactly the table's
-presets, each preset names a Protocol-P data config, and its method and recipe build and take the first training step
-(on the embedded micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each
-preset, benchmark included, to its official code's values)."""
+"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC, MIN, SD-LoRA and InfLoRA, and the tables of their
+published numbers (``clbench-report --table aper`` / ``ranpac`` / ``min`` / ``sdlora`` / ``inflora``): every row's
+preset exists, a glob sweeps exactly the table's presets, each preset names a Protocol-P data config, and its method
+and recipe build and take the first training step (on the embedded micro ViT and tiny data in place of the
+benchmark's: tests/test_preset_departures.py holds each preset, benchmark included, to its official code's values)."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -103,3 +105,57 @@ def test_mins_table_sets_the_code_beside_its_logs_and_the_papers_method_beside_t
     assert rows["min_imagenet_r_p_b0inc20"].published == {"avg_acc": (85.18, 0.19), "last_acc": (79.75, 0.07)}
     assert rows["min_omnibench_p_b0inc30"].published == {"avg_acc": (87.36, 0.04), "last_acc": (80.55, 0.10)}
     assert len(table.rows) == 6 * 3 + 5 and sum(r.preset is None for r in table.rows) == 23 - 8
+
+
+LORA_TABLES = {"sdlora": "sdlora_*", "inflora": "inflora_*"}
+
+
+def lora_presets() -> list[str]:
+    return [row.preset for table in LORA_TABLES for row in paper_table.load_table(table).rows if row.preset]
+
+
+def test_the_lora_tables_are_the_repositories_numbers_and_their_presets_sweep_as_one() -> None:
+    """SD-LoRA's (the paper's Tables 2-3 as its repository shows them, mean and std; CIFAR-100 its log) and InfLoRA's
+    (its seed-1993 logs: A_T the last of the top-1 curve, Ā its mean) in Protocol P's micro metrics; each glob runs
+    exactly the rows with a preset."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create(
+        config_loader=ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
+    )
+    for name, pattern in LORA_TABLES.items():
+        table = paper_table.load_table(name)
+        assert [c.reads for c in table.columns] == [
+            "metrics.cil.final_acc_micro",
+            "metrics.cil.avg_incremental_acc_micro",
+        ]
+        rows = [r.preset for r in table.rows if r.preset]
+        (override,) = parser.parse_overrides([f"experiment=glob({pattern})"])
+        assert sorted(override.sweep_string_iterator()) == sorted(rows), name
+    sdlora = {r.preset: r.published for r in paper_table.load_table("sdlora").rows}
+    assert sdlora["sdlora_imagenet_r_p_b0inc20"] == {"last_acc": (77.34, 0.35), "avg_acc": (82.04, 0.24)}
+    assert sdlora["sdlora_cifar224_b0inc10"] == {"last_acc": (87.26, None), "avg_acc": (92.05, None)}
+    cifar = [98.9, 97.2, 95.8, 93.15, 90.92, 90.75, 90.49, 88.86, 87.67, 86.95]  # cifar100 .../1993.log top1 curve
+    (row,) = [r for r in paper_table.load_table("inflora").rows if r.preset == "inflora_cifar224_b0inc10"]
+    assert row.published == {"last_acc": (cifar[-1], None), "avg_acc": (pytest.approx(sum(cifar) / 10, abs=5e-3), None)}
+
+
+@pytest.mark.parametrize("preset", lora_presets())
+def test_a_lora_preset_names_its_protocol_p_benchmark_and_the_official_path(preset: str) -> None:
+    """SD-LoRA's presets run the code's path (magnitudes reset each task) the logged numbers came from; InfLoRA's the
+    code's (the second pass grows the subspace); both build and take a training step."""
+    text = (CONF / "experiment" / f"{preset}.yaml").read_text()
+    (data,) = re.findall(r"^\s*- override /data: (\w+)", text, re.MULTILINE)
+    assert data in PROTOCOL_P
+    cfg = validate(compose_config(f"experiment={preset}", *TINY_STAND_INS))
+    assert cfg.backbone.pretrained  # its input scaling: tests/test_preset_departures.py, on the real backbone
+    if preset.startswith("sdlora"):
+        assert (
+            cfg.method.alpha_carry == "reset" and cfg.trainer.optimizer == "sgd" and cfg.trainer.schedule == "constant"
+        )
+    else:
+        assert cfg.method.subspace_pass == "after" and cfg.trainer.optimizer == "adam"
+    method, rt = build_runtime(cfg)
+    assert torch.isfinite(first_step(method, rt))

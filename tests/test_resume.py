@@ -44,12 +44,25 @@ def matrices(results_json: Path) -> dict:
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
         ("min", ("step", 11)),  # in task 1's noise phase: its fit passes' statistics, its generator, W_aux, omega
         pytest.param("min", ("evaluate", 6), marks=pytest.mark.slow),  # the mid-task case above in the default suite
+        # SD-LoRA and InfLoRA: one case each in the default suite (mid task 1: the bank, the bases, the current
+        # component all come back), the rest in make test-all
+        pytest.param("sdlora", ("step", 4), marks=pytest.mark.slow),  # mid-task: the current component, magnitudes
+        pytest.param("sdlora", ("evaluate", 6), marks=pytest.mark.slow),  # between tasks: the bank, carried magnitudes
+        ("sdlora-reset", ("step", 11)),  # mid task 1 on the code's path: the renormalised bank, the reset magnitudes
+        pytest.param("inflora", ("step", 4), marks=pytest.mark.slow),  # mid-task: the designed A_t (no data to redo it)
+        pytest.param("inflora", ("evaluate", 6), marks=pytest.mark.slow),  # between tasks: the DualGPM bases
+        ("inflora-before", ("step", 11)),  # mid task 1: task 0's bases, A_1, the design pass's moments growing the next
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, crash_at: tuple[str, int]
 ) -> None:
-    extra = ("method.retrain_epochs=1",) if method == "packnet" else ()
+    method, _, variant = method.partition("-")
+    extra = {
+        "packnet": ("method.retrain_epochs=1",),
+        "sdlora": ("method.alpha_carry=reset",) if variant else (),
+        "inflora": ("method.subspace_pass=before",) if variant else (),
+    }.get(method, ())
     overrides = (f"method={method}", *CHECKPOINTED, *extra)
     train(tiny_config(*overrides), tmp_path / "whole")
     expected = matrices(tmp_path / "whole" / "results.json")

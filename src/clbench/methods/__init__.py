@@ -5,9 +5,10 @@ from clbench.methods.base import Method, Phase
 # The rows the founding papers' tables compare against (L2P Table 1, MEAT Table 1): regularisation, rehearsal and
 # parameter-isolation baselines.
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
-# The pretrained-model era's methods: adapt a pretrained ViT (here in the first session only), then classify over its
-# frozen features.
-PTM_METHODS = ("aper", "ranpac", "slca", "min")
+# The pretrained-model era's methods: adapt a pretrained ViT in the first session only, then classify over its frozen
+# features (APER, RanPAC); train it slowly beside the head (SLCA); a low-rank update of its attention a task (SD-LoRA,
+# InfLoRA); or noise mixed into its frozen blocks over an analytic head (MIN).
+PTM_METHODS = ("aper", "ranpac", "slca", "sdlora", "inflora", "min")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
 # methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (
