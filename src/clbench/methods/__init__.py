@@ -7,7 +7,7 @@ from clbench.methods.base import Method, Phase
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
 # The pretrained-model era's methods: adapt a pretrained ViT (here in the first session only), then classify over its
 # frozen features.
-PTM_METHODS = ("aper", "ranpac")
+PTM_METHODS = ("aper", "ranpac", "slca")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
 # methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (
