@@ -4,9 +4,11 @@
 - CIL: no task id: ``predict(x, None)`` over all seen classes (task-conditioned methods infer the task); with
   ``cil_classes="all"`` over every class of the benchmark, those of the tasks not trained yet included (the official
   L2P and DualPrompt codes' argmax over their one head's every row).
-Nothing in one test sample's prediction depends on the other samples of its batch: the model is in eval
-mode and ViTs have no batch statistics. The counts stay on the device until a task is done; in a multi-process
-run each rank predicts its share of every batch and torchmetrics sums the counts over the ranks.
+Nothing in one test sample's prediction depends on the other samples of its batch (the model is in eval mode; a
+method's batch-level rule, L2P's prompt vote, is an opt-in that results.json names), and no CIL prediction reads the
+task id: both are tested for every method (:func:`scenario_logits`). The counts stay on the device until a task is
+done; in a multi-process run each rank predicts its share of every batch and torchmetrics sums the counts over the
+ranks.
 
 Besides accuracy, what a reader needs when a method fails: top-5 accuracy where more than five classes compete,
 per-class accuracy, and the CIL task-confusion matrix (row j: the share of task j's samples predicted in task k's
@@ -55,6 +57,18 @@ def percent(counter: Metric) -> list[float | None]:
 
 
 @torch.no_grad()
+def scenario_logits(
+    method: Method, x: torch.Tensor, task_id: int, scenarios: tuple[str, ...], cil_classes: str = "seen"
+) -> dict[str, torch.Tensor]:
+    """What the evaluation counts for a batch ``x`` of task ``task_id``'s test images: the method's logits in each
+    scenario (:meth:`~clbench.methods.Method.predict_scenarios` inside :meth:`~clbench.methods.Method.evaluating`).
+    The task id is handed over for TIL and for the method's per-task diagnostics; no CIL logit may depend on it, nor
+    any image's logits on the other images of ``x`` (tests/test_honest_evaluation.py checks both for every method)."""
+    with method.evaluating(task_id):
+        return method.predict_scenarios(x, task_id, scenarios, cil_classes)
+
+
+@torch.no_grad()
 def evaluate(
     method: Method,
     benchmark: Benchmark,
@@ -99,8 +113,8 @@ def evaluate(
             if weight == 0:
                 continue
             x, labels = transform(images, part), batch_labels[part]
-            with autocast, method.evaluating(j):
-                logits = method.predict_scenarios(x, j, scenarios, cil_classes)
+            with autocast:
+                logits = scenario_logits(method, x, j, scenarios, cil_classes)
             targets = {"til": labels - task.offset, "cil": labels}
             for s, scores in logits.items():
                 as_float = scores.float()

@@ -314,7 +314,8 @@ def header(cfg: RunConfig) -> dict[str, Any]:
 
 def start_record(cfg: RunConfig, method: Method, rt: Runtime, results: Results, main: bool) -> Path | None:
     """What results.json records before training (device, versions and commit, the weights file and its SHA-256, the
-    seeded data splits, how the step runs); warns where a frozen-backbone method would learn over random features.
+    seeded data splits, how the step runs, whether the evaluation is per sample); warns where a frozen-backbone method
+    would learn over random features, and where a batch-level option makes a prediction depend on its batch.
     Returns the loaded weights file."""
     results.header["device"] = str(rt.device)
     results.header["versions"] = versions(rt.device)
@@ -333,6 +334,13 @@ def start_record(cfg: RunConfig, method: Method, rt: Runtime, results: Results, 
     }
     if rt.benchmark.splits:
         results.header["data_splits"] = rt.benchmark.splits
+    batch_level = method.batch_level(method.config)  # an official code's batch-level rule, turned on by the run
+    results.header["evaluation"] = {"per_sample": not batch_level, "batch_level": batch_level}
+    if main and batch_level:
+        say(
+            f"[yellow]warning: {', '.join(batch_level)}: a test image's prediction depends on the other images of its "
+            "batch (each batch holds one task's images), so the numbers are not the per-sample protocol's.[/yellow]"
+        )
     results.acceleration = {"compile": rt.accel.compile, "cuda_graphs": rt.accel.graphs}
     if main and not method.changes_backbone and loaded is None and not cfg.backbone.pretrained:
         say(

@@ -9,6 +9,12 @@ logging.
 Heads: one Linear per task (``heads[t]`` over task ``t``'s classes). Concatenated they form the growing
 class-incremental head, so a task-incremental prediction is the task's own head and a class-incremental
 one is the argmax over all seen classes.
+
+Evaluation rules every method keeps (tests/test_honest_evaluation.py checks them for every registered method):
+an image's logits do not depend on the other images of its batch, nor on the images predicted before it (unless the
+run turns on one of the method's :attr:`Method.batch_level_options`, which results.json then names); and no
+class-incremental logit depends on the task id, whether handed to ``predict_scenarios`` for TIL, set by
+``evaluating``, or found another way (a reference to the test data and its labels, the order of the calls).
 """
 
 from __future__ import annotations
@@ -112,6 +118,9 @@ class Method(nn.Module):
     replay_draws: ClassVar[int] = 0
     memory_logits: ClassVar[bool] = False
     memory_holdout: ClassVar[float] = 0.0  # the share of each class's memory held out for validation (BiC: 0.1)
+    # Boolean keys of ``Config`` that make one test image's prediction depend on the rest of its batch (an official
+    # code's batch-level rule, such as L2P's prompt vote): off by default, named in results.json when a run sets one.
+    batch_level_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
         super().__init__()
@@ -132,6 +141,12 @@ class Method(nn.Module):
     def check_run(cls, cfg: RunConfig) -> None:
         """Refuse (:class:`clbench.errors.ConfigError`), before any work, a setting of the whole run that this method
         cannot train with or that would record numbers it did not earn; ``cfg`` is the validated config."""
+
+    @classmethod
+    def batch_level(cls, config: Any) -> list[str]:
+        """The :attr:`batch_level_options` that ``config`` turns on, as ``method.<key>``: with any, a prediction depends
+        on the other images of its batch (results.json's ``evaluation.batch_level``; the run warns)."""
+        return [f"method.{key}" for key in cls.batch_level_options if getattr(config, key)]
 
     @staticmethod
     def unused_keys(config: Any) -> dict[str, str]:
@@ -283,6 +298,7 @@ class Method(nn.Module):
         the work they have in common: a task-agnostic method runs its forward once for both; a task-conditioned
         one takes the TIL logits from the path of ``task_id`` that its CIL task inference runs anyway. A method
         with its own CIL inference (an overridden ``predict``: SupSup) predicts each scenario separately.
+        ``task_id``, the evaluated task, is TIL's: the CIL logits never depend on it (nor on the other rows of ``x``).
         ``cil_classes="all"`` (:meth:`scores_unseen_classes` methods): the CIL logits also cover the classes of the
         tasks not trained yet (:meth:`untrained_logits`)."""
         if cil_classes == "all" and not self.scores_unseen_classes():

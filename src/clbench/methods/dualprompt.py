@@ -71,6 +71,7 @@ class DualPromptConfig:
 
 class DualPrompt(PromptMethod):
     Config = DualPromptConfig
+    batch_level_options = ("batchwise_prompt",)
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: DualPromptConfig) -> None:
         tasks = len(benchmark.tasks)

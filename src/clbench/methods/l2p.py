@@ -82,6 +82,7 @@ class L2PConfig:
 
 class L2P(PromptMethod):
     Config = L2PConfig
+    batch_level_options = ("batchwise_prompt",)
     # L2P-R (Table 1): the official code's memory (a uniform subset of each task's first epoch, replayed from the
     # moment it is stored), one memory batch of the batch's size joined to each step.
     memory_sampler: ClassVar[str | None] = "uniform"
