@@ -1,8 +1,8 @@
-"""The Protocol-P presets of APER (every variant), SimpleCIL and RanPAC, and the tables of their repositories' numbers
-(``clbench-report --table aper`` / ``ranpac``): every row's preset exists, a glob sweeps exactly the table, each preset
-names a Protocol-P data config, and its method and recipe build and take the first session's step (on the embedded
-micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each preset, benchmark
-included, to its official code's values)."""
+"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC and EASE (both backbones), and the tables of
+their repositories' numbers (``clbench-report --table aper`` / ``ranpac`` / ``ease``): every row's preset exists, a glob
+sweeps exactly the table, each preset names a Protocol-P data config, and its method and recipe build and take the
+first training step (on the embedded micro ViT and tiny data in place of the benchmark's:
+tests/test_preset_departures.py holds each preset, benchmark and backbone included, to its official code's values)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ PROTOCOL_P = {  # the pack's data configs, by their fixed names
     "omnibench_p_b0inc30",
     "vtab_p_b0inc10",
 }
-TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*"}
+TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*", "ease": "ease_*"}
 # In place of the benchmark and ViT-B/16: the embedded micro ViT (its shipped weights) on tiny synthetic tasks.
 TINY_STAND_INS = (
     "data=synthetic_tiny",
@@ -61,10 +61,10 @@ def test_every_row_has_its_preset_and_the_glob_sweeps_exactly_the_table() -> Non
         assert f"experiment=glob({pattern})" in paper_table.load_table(table).multirun
         (override,) = parser.parse_overrides([f"experiment=glob({pattern})"])
         assert sorted(override.sweep_string_iterator()) == sorted(rows), table
-    assert len(presets("aper")) == 6 * 7 and len(presets("ranpac")) == 6
+    assert len(presets("aper")) == 6 * 7 and len(presets("ranpac")) == 6 and len(presets("ease")) == 2 * 7
 
 
-@pytest.mark.parametrize("preset", [*presets("aper"), *presets("ranpac")])
+@pytest.mark.parametrize("preset", [*presets("aper"), *presets("ranpac"), *presets("ease")])
 def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recipe(preset: str) -> None:
     text = (CONF / "experiment" / f"{preset}.yaml").read_text()
     (data,) = re.findall(r"^\s*- override /data: (\w+)", text, re.MULTILINE)
@@ -73,7 +73,9 @@ def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recip
     assert cfg.backbone.pretrained and not cfg.backbone.normalize  # pixels in [0, 1], as every one of the codes
     if preset.startswith("simplecil"):
         return  # it has no training step
-    assert cfg.trainer.optimizer == "sgd" and cfg.trainer.momentum == 0.9 and cfg.trainer.min_lr == 0.0
+    adam = preset == "ease_objectnet_p_b0inc10_in1k"  # exps/ease_obj.json: optimizer adam
+    assert cfg.trainer.optimizer == ("adam" if adam else "sgd") and cfg.trainer.min_lr == 0.0
+    assert adam or cfg.trainer.momentum == 0.9
     method, rt = build_runtime(cfg)
     assert torch.isfinite(first_step(method, rt))
 
@@ -88,3 +90,15 @@ def test_the_tables_read_protocol_ps_micro_metrics_for_aper_and_the_per_task_mea
     assert row.published == {"avg_acc": (90.61, None), "last_acc": (85.14, None)}
     (row,) = [r for r in ranpac.rows if r.preset == "ranpac_imagenet_r_p_b0inc20"]
     assert row.published == {"final_acc": (77.9, None)}
+
+
+def test_the_ease_table_reads_protocol_ps_micro_metrics_and_labels_its_aper_mode_rows() -> None:
+    """EASE's logs report Ā and A_T (micro) for both backbones; the OmniBenchmark configs run the code's moni_adam,
+    APER with an adapter: their rows say so and their presets run that mode."""
+    ease = paper_table.load_table("ease")
+    assert [c.reads for c in ease.columns] == ["metrics.cil.avg_incremental_acc_micro", "metrics.cil.final_acc_micro"]
+    (row,) = [r for r in ease.rows if r.preset == "ease_cifar224_b0inc5_in21k"]
+    assert row.published == {"avg_acc": (91.51, None), "last_acc": (85.8, None)}
+    for row in ease.rows:
+        aper_mode = validate(compose_config(f"experiment={row.preset}", *TINY_STAND_INS)).method.aper_mode
+        assert aper_mode == ("omnibench" in row.preset) == ("APER mode" in row.label), row.preset
