@@ -42,6 +42,8 @@ def matrices(results_json: Path) -> dict:
         ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
         ("ranpac", ("step", 4)),
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
+        ("ease", ("step", 10)),  # task 1, epoch 1: its adapter set and proxy head mid-training, task 0's kept
+        ("ease", ("evaluate", 6)),  # after task 0: its adapter set and prototypes
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
@@ -132,12 +134,12 @@ def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", PTM_METHODS)
-def test_a_first_session_method_killed_in_or_after_its_first_session_resumes_to_the_same_results(
+def test_a_pretrained_model_method_killed_in_or_after_its_first_task_resumes_to_the_same_results(
     tmp_path: Path, method: str
 ) -> None:
-    """SIGKILL after the first epoch's checkpoint of the first session (the PETL module and its head mid-training)
-    and after the first task's (the prototypes, or the ridge statistics G and Q with the projection's seed), then
-    resume=true: the uninterrupted run's matrices."""
+    """SIGKILL after the first epoch's checkpoint of the first task (the PETL module, or EASE's first adapter set, and
+    the cosine head mid-training) and after the first task's (the prototypes, or the ridge statistics G and Q with the
+    projection's seed), then resume=true: the uninterrupted run's matrices."""
     overrides = (*TINY, *CHECKPOINTED, f"method={method}", "logger.mode=disabled")
     whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
