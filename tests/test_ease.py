@@ -8,6 +8,7 @@ the same weights; what each task trains; its state through checkpoints and artif
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -352,3 +353,18 @@ def test_bad_values_are_refused_before_any_work(override: str, key: str) -> None
 def test_unseen_classes_cannot_be_scored() -> None:
     with pytest.raises(ConfigError, match=r"trainer\.cil_classes"):
         tiny_config("method=ease", "trainer.cil_classes=all")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "cost"),
+    [((), lambda t: t + 1), (("method.ptm_block=true",), lambda t: t + 2), (("method.aper_mode=true",), lambda t: 2)],
+    ids=["ease", "ptm_block", "aper_mode"],
+)
+def test_a_test_image_costs_one_vit_forward_per_subspace_growing_with_the_tasks(
+    overrides: tuple[str, ...], cost: Callable[[int], int]
+) -> None:
+    """After task t: t + 1 adapter sets (t + 2 subspaces with the pretrained ViT's); APER mode keeps [PTM; A_0]."""
+    method, rt = build(*overrides)
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        assert method.forwards_per_test_image() == {"til": cost(task.id), "cil": cost(task.id)}, f"task {task.id}"
