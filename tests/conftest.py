@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -52,6 +53,16 @@ def run_command(*command: str, cwd: Path, timeout: float = 600, **env: str) -> s
 def clbench(*args: str, cwd: Path, **env: str) -> subprocess.CompletedProcess:
     """``python -m clbench ARGS`` (what the ``clbench`` command runs)."""
     return run_command(sys.executable, "-m", "clbench", *args, cwd=cwd, **env)
+
+
+CRASH = re.compile(r"terminate called|what\(\)|Fatal Python error|Traceback|Error:|Aborted|Segmentation")
+
+
+def said(out: subprocess.CompletedProcess) -> str:
+    """What a failed command said, for an assertion: the lines anywhere in its stderr that name a crash (a rank's
+    abort, printed before rank 0's summary, falls outside any tail) and the last 3000 characters."""
+    crashes = [line for line in out.stderr.splitlines() if CRASH.search(line)]
+    return "\n".join([*crashes[:40], "...", out.stderr[-3000:]])
 
 
 def torchrun(nproc: int, *args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -56,18 +56,24 @@ def test_a_method_that_keeps_step_state_on_the_host_is_not_captured(monkeypatch:
 @pytest.mark.parametrize("method_name", baselines_slow(METHODS))
 def test_every_method_forward_and_loss_compile_as_one_graph(method_name: str) -> None:
     """torch._dynamo.explain of ``training_loss`` on the micro ViT (4 blocks), for the first task and for the second
-    (stored masks, cumulative gates, frozen slots): one graph, no graph break."""
+    (stored masks, cumulative gates, frozen slots), in the task's last phase (SLCA's second: its alignment, on drawn
+    features): one graph, no graph break."""
     cfg = validate(compose_config(f"method={method_name}", "trainer.device=cpu", "logger.mode=disabled"))
     method, rt = build_runtime(cfg)
     for task in rt.benchmark.tasks[:2]:
         method.before_task(task)
-        for phase in method.phases(task, 1):
+        phases = method.phases(task, 1)
+        for phase in phases:
             method.before_phase(task, phase)
         method.train()
-        x, y = rt.benchmark.train[task.id].batch(None, 0, 8)
+        if phases[-1].data == "features":
+            x, y = method.drawn_split(task, phases[-1], 0).batch(None, 0, 8)
+        else:
+            x_raw, y = rt.benchmark.train[task.id].batch(None, 0, 8)
+            x = rt.train_tf(x_raw)
         torch._dynamo.reset()
         ids = {"ids": torch.arange(len(y))} if method.takes_ids() else {}  # positions of a recorded teacher's logits
-        explained = torch._dynamo.explain(method.training_loss)(rt.train_tf(x), y, task, **ids)
+        explained = torch._dynamo.explain(method.training_loss)(x, y, task, **ids)
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
         method.after_task(task)
 

@@ -7,7 +7,8 @@ sums; fused attention (any fused SDPA backend) and no softmax of attention maps,
 hidden host synchronisation in the eager step nor in a graph replay (``torch.cuda.set_sync_debug_mode("error")``). At
 the micro ViT's shape: the compiled, graph-replayed step equal to the eager one (the schedule's rate changing at every
 step), HAT's annealed s, MEAT's Gumbel noise and the crops and flips fresh at every replay, a failed capture stopping
-the run with the way out named. Then runs: a 1-process NCCL DDP run
+the run with the way out named; SLCA's alignment (a phase on drawn features) replayed as a graph equal to eager,
+without a host sync. Then runs: a 1-process NCCL DDP run
 through torchrun; streamed batches (data.store=stream) equal to held ones, and a streamed run's memory in pinned host
 memory that the step reads and writes in place; the zero-forgetting methods' bit-exact TIL;
 a run killed mid-task resuming to the uninterrupted run's results.
@@ -38,9 +39,9 @@ from clbench.loop.runtime import Runtime, build_runtime
 from clbench.loop.step import WARMUP_STEPS, train_step
 from clbench.loop.task import Hooks, PhaseRun, run_task
 from clbench.methods import TRAINED, ctr, meat
-from clbench.methods.base import Method
+from clbench.methods.base import Method, Phase
 from clbench.methods.parts.bottleneck import Bottleneck
-from conftest import TINY, attention_ops, clbench, compose_config, run_command, torchrun
+from conftest import TINY, attention_ops, clbench, compose_config, run_command, said, torchrun
 
 METHODS = TRAINED
 ZERO_FORGETTING = ("packnet", "piggyback", "supsup", "meat", "ksm", "tfm", "aper")
@@ -393,6 +394,78 @@ def test_each_replay_draws_its_own_augmentation() -> None:
     assert run.stepper.graph is not None and len(set(losses[WARMUP_STEPS:])) > 1, losses
 
 
+def slca_before_alignment() -> tuple[Method, Runtime, Task, Phase]:
+    """SLCA at the micro ViT's shape on CUDA, fp32, without random augmentation, trained eagerly through task 1's
+    statistics, and its alignment phase (SLCA's: 5 epochs of 4 classes x 256 drawn samples in batches of 256)
+    started."""
+    overrides = ("method=slca", *MICRO, "data.num_tasks=2", "trainer.precision=fp32", *EAGER)
+    method, rt = build_runtime(validate(compose_config(*overrides, "method.alignment.epochs=0", "trainer.device=cuda")))
+    rt.train_tf = rt.test_tf
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=2)  # no alignment phase (alignment.epochs=0): it is built below
+        if task.id == 0:
+            method.after_task(task)
+    align = Phase("align", 5, data="features", trainer=method.aligner.trainer_settings())
+    method.before_phase(task, align)
+    return method, rt, task, align
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_the_alignment_phase_replays_as_one_graph_equal_to_its_eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SLCA's classifier alignment reads no image: from the same start, its steps (drawn features, the heads alone, SGD
+    with a cosine stepped per epoch) compiled and captured once, then replayed, leave the heads of the eager steps to
+    fp32 rounding."""
+    from clbench.loop.runtime import Acceleration
+
+    captures = []
+    real = step_module.StepGraph
+
+    def counting(*args, **kwargs):
+        captures.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(step_module, "StepGraph", counting)
+    method, rt, task, align = slca_before_alignment()
+    states = {}
+    for mode, accel in (("eager", Acceleration(False, False, "eager")), ("accelerated", Acceleration(True, True))):
+        aligned, rt.accel = copy.deepcopy(method), accel
+        torch.manual_seed(0)  # the same draws and epoch orders for both
+        with strict_fp32():
+            PhaseRun(aligned, task, align, 2, split=None, rt=rt, hooks=Hooks()).epochs(0)
+        states[mode] = state(aligned)
+    assert len(captures) == 1
+    assert not torch.equal(states["eager"]["heads.0.weight"], state(method)["heads.0.weight"])  # the heads moved
+    assert_states_agree(states["eager"], states["accelerated"])
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+def test_the_alignment_step_makes_no_hidden_host_sync(graphs: bool) -> None:
+    from clbench.loop.runtime import Acceleration
+
+    method, rt, task, align = slca_before_alignment()
+    rt.accel = Acceleration(False, graphs, None if graphs else "eager")
+    run = PhaseRun(method, task, align, 2, split=None, rt=rt, hooks=Hooks())
+    x, y = run.split.batch(None, 0, 256)
+
+    def step() -> None:  # what the loop does per batch
+        run.stepper(x, y)
+        run.schedule.step()
+
+    for _ in range(WARMUP_STEPS + 1 if graphs else 1):
+        step()
+    assert (run.stepper.graph is not None) == graphs
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_one_process_nccl_ddp_equals_the_plain_run(tmp_path: Path) -> None:
@@ -400,7 +473,7 @@ def test_one_process_nccl_ddp_equals_the_plain_run(tmp_path: Path) -> None:
     plain = clbench(*overrides, f"hydra.run.dir={tmp_path / 'plain'}", cwd=tmp_path)
     assert plain.returncode == 0, plain.stderr[-3000:]
     ddp = torchrun(1, *overrides, f"hydra.run.dir={tmp_path / 'ddp'}", cwd=tmp_path)
-    assert ddp.returncode == 0, ddp.stderr[-3000:]
+    assert ddp.returncode == 0, said(ddp)
     a, b = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("plain", "ddp"))
     assert b["status"] == "finished" and a["acc_matrix"] == b["acc_matrix"]
 

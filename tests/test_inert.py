@@ -25,6 +25,12 @@ def test_a_warm_up_covering_every_epoch_is_said_with_the_share_of_the_lr_it_reac
     [
         (("trainer.optimizer=adamw", "trainer.momentum=0.5"), "trainer.momentum", "trainer.optimizer=adamw"),
         (("trainer.schedule=cosine", "trainer.lr_decay=0.9"), "trainer.lr_decay", "trainer.schedule=cosine"),
+        (("trainer.schedule=cosine", "trainer.milestones=[3]"), "trainer.milestones", "trainer.schedule=cosine"),
+        (
+            ("trainer.schedule=constant", "trainer.cosine_epochs=3"),
+            "trainer.cosine_epochs",
+            "trainer.schedule=constant",
+        ),
         (("data.train_crop=none", "data.crop_padding=2"), "data.crop_padding", "data.train_crop=none"),
         (("trainer.label_smoothing=0.1",), "trainer.label_smoothing", "trainer.mixup=0.0 and trainer.cutmix=0.0"),
         (("data.folder_split=own", "data.split_seed=3"), "data.split_seed", "data.folder_split=own"),
@@ -48,6 +54,8 @@ def test_the_same_keys_in_use_are_not_said() -> None:
         "trainer.lr_decay=0.9",
     ]
     assert inert_settings(tiny_config(*overrides), overridden_keys(overrides), {}) == []
+    multistep = ["trainer.schedule=multistep", "trainer.milestones=[1]", "trainer.lr_decay=0.1"]
+    assert inert_settings(tiny_config(*multistep), overridden_keys(multistep), {}) == []
 
 
 def test_meat_says_lam_is_unused_without_its_drop_control_term() -> None:

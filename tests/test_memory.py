@@ -22,7 +22,7 @@ from clbench.loop import train
 from clbench.loop.runtime import build_runtime
 from clbench.memory import Memory
 from clbench.methods.base import Replay
-from conftest import TINY, clbench, crash_and_resume, tiny_config, torchrun
+from conftest import TINY, clbench, crash_and_resume, said, tiny_config, torchrun
 
 TASK = Task(0, (0, 1), ("a", "b"), 0)
 
@@ -296,7 +296,7 @@ def test_two_gloo_ranks_keep_one_memory(tmp_path: Path) -> None:
     assert one.returncode == 0, one.stderr[-3000:]
     for name, extra in (("two", ()), ("two_streamed", stream)):
         out = torchrun(2, *overrides, *extra, f"hydra.run.dir={tmp_path / name}", cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.returncode == 0, said(out)
     a, b, c = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "two", "two_streamed"))
     assert a["storage"]["memory"] == b["storage"]["memory"] == c["storage"]["memory"]
     for s in ("til", "cil"):  # one test image of a 20-image task (5 points) for summation order

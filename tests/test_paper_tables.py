@@ -85,8 +85,8 @@ def test_every_row_has_its_preset_and_glob_sweeps_exactly_the_table() -> None:
     from hydra._internal.utils import create_config_search_path
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    # aper, ranpac and ease (the Protocol-P tables): tests/test_ptm_presets.py
-    assert paper_table.known_tables() == ["aper", "ease", "l2p_table1", "meat_table1", "ranpac"]
+    # aper, ranpac, slca and ease (the Protocol-P tables): tests/test_ptm_presets.py
+    assert paper_table.known_tables() == ["aper", "ease", "l2p_table1", "meat_table1", "ranpac", "slca"]
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
     parser = OverridesParser.create(config_loader=loader)
     for name, rows in (("l2p_table1", L2P_ROWS), ("meat_table1", MEAT_ROWS)):
@@ -104,6 +104,25 @@ def test_every_row_has_its_preset_and_glob_sweeps_exactly_the_table() -> None:
     meat = paper_table.load_table("meat_table1")
     (adaptor,) = [r for r in meat.rows if r.label == "Adaptor-BERT"]
     assert adaptor.published["cub"] == (77.20, None) and adaptor.published["model_size_mb"] == (99.0, None)
+
+
+def test_the_slca_table_is_the_repositorys_figure_and_its_presets_sweep_as_one() -> None:
+    """SLCA's published numbers (the official repository's figure, A_T only) in Protocol P's micro metrics; every row
+    with a preset has its file, and `experiment=glob(slca_*)` runs exactly those."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    table = paper_table.load_table("slca")
+    assert [c.reads for c in table.columns] == ["metrics.cil.final_acc_micro", "metrics.cil.avg_incremental_acc_micro"]
+    assert [r.published["last_acc"] for r in table.rows] == [(91.53, None), (77.0, None), (73.01, None), (66.04, None)]
+    assert all(r.published["avg_acc"] is None for r in table.rows)
+    presets = [r.preset for r in table.rows if r.preset]
+    assert presets == ["slca_cifar224_b0inc10", "slca_imagenet_r_p_b0inc20", "slca_cub_p_b0inc20"]
+    assert all((CONF / "experiment" / f"{p}.yaml").is_file() for p in presets)
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
+    (override,) = OverridesParser.create(config_loader=loader).parse_overrides(["experiment=glob(slca_*)"])
+    assert sorted(override.sweep_string_iterator()) == sorted(presets)
 
 
 @pytest.mark.parametrize(

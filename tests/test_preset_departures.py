@@ -32,25 +32,7 @@ def stated(preset: str) -> set[str]:
     return keys
 
 
-def missing_groups(preset: str) -> list[str]:
-    """The data and backbone configs ``preset`` (or a preset it extends) names that conf/ does not hold."""
-    text = (config_dir() / "experiment" / f"{preset}.yaml").read_text()
-    named = re.findall(r"^\s*- override /(data|backbone): (\w+)", text, re.MULTILINE)
-    missing = [f"{group}={name}" for group, name in named if not (config_dir() / group / f"{name}.yaml").is_file()]
-    for parent in re.findall(r"^\s*- /experiment/(\w+)", text, re.MULTILINE):
-        missing += missing_groups(parent)
-    return missing
-
-
-def until_its_configs_land(preset: str) -> object:
-    """The preset as a parameter, expected to fail (strictly) while a data or backbone config it names is missing
-    (the Protocol-P pack's, from its own branch), run as usual after."""
-    lacking = missing_groups(preset)
-    mark = pytest.mark.xfail(bool(lacking), reason=f"needs {', '.join(lacking)}", strict=True)
-    return pytest.param(preset, marks=mark, id=preset)
-
-
-@pytest.mark.parametrize("preset", [until_its_configs_land(p) for p in sorted(OFFICIAL)])
+@pytest.mark.parametrize("preset", sorted(OFFICIAL))
 def test_a_paper_preset_states_each_key_where_it_departs_from_its_official_code(preset: str) -> None:
     values = OFFICIAL[preset]["values"]
     cfg = compose_config(f"experiment={preset}")

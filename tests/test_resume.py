@@ -113,13 +113,27 @@ main()
     return run_command(sys.executable, "-c", script, cwd=run_dir.parent)
 
 
-def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
-    overrides = (*TINY, *CHECKPOINTED, "logger.mode=offline")
+# Where each run is killed: after its n-th checkpoint. Finetune's tasks checkpoint after epoch 0 (mid-task), epoch 1
+# and the task (between tasks). SLCA's task 0 the same (1-3); task 1 after its two epochs (4, 5), each of its 5
+# alignment epochs (6-10: 7 is mid-alignment, the draw of its third epoch made again on resume) and the task (11: the
+# recall of the pre-alignment heads before task 2 reads them from the checkpoint).
+KILLS = {
+    "finetune": ((), (("mid_task", 4), ("between_tasks", 6))),
+    "slca": (
+        ("method=slca", "method.alignment.samples_per_class=8", "method.alignment.batch_size=8"),
+        (("mid_align", 7), ("between_tasks", 11)),
+    ),
+}
+
+
+@pytest.mark.parametrize("method", ["finetune", pytest.param("slca", marks=pytest.mark.slow)])
+def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path, method: str) -> None:
+    chosen, kills = KILLS[method]
+    overrides = (*TINY, *CHECKPOINTED, *chosen, "logger.mode=offline")
     whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
     expected = matrices(tmp_path / "whole" / "results.json")
-    # checkpoints per task: after epoch 0 (mid-task), after epoch 1, after the task (between tasks)
-    for name, after in (("mid_task", 4), ("between_tasks", 6)):
+    for name, after in kills:
         run_dir = tmp_path / name
         killed = clbench_killing_itself(run_dir, "KILL", after, *overrides)
         assert killed.returncode == -9, killed.stderr[-2000:]
@@ -137,9 +151,10 @@ def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path) -> None:
 def test_a_pretrained_model_method_killed_in_or_after_its_first_task_resumes_to_the_same_results(
     tmp_path: Path, method: str
 ) -> None:
-    """SIGKILL after the first epoch's checkpoint of the first task (the PETL module, or EASE's first adapter set, and
-    the cosine head mid-training) and after the first task's (the prototypes, or the ridge statistics G and Q with the
-    projection's seed), then resume=true: the uninterrupted run's matrices."""
+    """SIGKILL after the first epoch's checkpoint of the first task (the PETL module, EASE's first adapter set or
+    SLCA's slowly learning ViT, and the head mid-training) and after the first task's (the prototypes, the class
+    Gaussians, or the ridge statistics G and Q with the projection's seed), then resume=true: the uninterrupted run's
+    matrices."""
     overrides = (*TINY, *CHECKPOINTED, f"method={method}", "logger.mode=disabled")
     whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
@@ -232,3 +247,13 @@ def test_online_logging_without_network_falls_back_to_offline(tmp_path: Path, mo
     results = train(cfg, tmp_path)
     assert results.status == "finished"
     assert list((tmp_path / "wandb").glob("offline-run-*"))
+
+
+def test_a_clbench_process_logs_through_a_wandb_service_of_its_own(tmp_path: Path) -> None:
+    """A process that called wandb.init (a notebook, a test runner) exports WANDB_SERVICE to its children; a clbench
+    run that joined that service would leave a killed run's stream open there and have its resume refused ("run ID
+    ... is in use", seen under load). A service address that leads nowhere shows the run does not use it."""
+    out = clbench(*TINY, "logger.mode=offline", f"hydra.run.dir={tmp_path / 'run'}", cwd=tmp_path,
+                  WANDB_SERVICE="3-1-unix-/nonexistent/socket")  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))

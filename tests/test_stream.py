@@ -24,7 +24,7 @@ from clbench.distributed import Ranks
 from clbench.errors import DataError
 from clbench.loop import step as step_module
 from clbench.loop import train
-from conftest import TINY, tiny_config, torchrun
+from conftest import TINY, said, tiny_config, torchrun
 from test_folders import folder_config, write_image_folder
 from test_resume import matrices
 
@@ -222,7 +222,7 @@ def test_two_gloo_ranks_streaming_their_shares_equal_two_ranks_on_the_device_sto
     for name, extra in (("device", ()), ("stream", stream)):
         folder = f"hydra.run.dir={tmp_path / name}"
         out = torchrun(2, *overrides, *extra, folder, cwd=tmp_path)
-        assert out.returncode == 0, out.stderr[-3000:]
+        assert out.returncode == 0, said(out)
     a, b = (matrices(tmp_path / d / "results.json") for d in ("device", "stream"))
     assert b["status"] == "finished" and a == b
 

@@ -127,21 +127,34 @@ def rows(
     fallback: dict | None = None,
 ) -> str:
     """A Markdown table of ``fields``: key, type, default (and the value a method's YAML sets), description (the
-    field's comment, else the YAML's comment on it)."""
-    notes = (fallback or {}) | {k: v for k, v in field_comments(schema).items() if v}
+    field's comment, else the YAML's comment on it). A field that holds a dataclass of its own (SLCA's
+    ``method.alignment``) gives a row for each of its fields."""
     head = ["key", "type", "default", *([yaml_name] if sets is not None else []), "description"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join([*lines, *field_rows(schema, prefix, fields, sets, fallback)])
+
+
+def field_rows(schema: type, prefix: str, fields: Any, sets: dict | None, fallback: dict | None) -> list[str]:
+    notes = (fallback or {}) | {k: v for k, v in field_comments(schema).items() if v}
+    lines = []
     for f in fields:
         default = f.default if f.default is not dataclasses.MISSING else None
         if f.default_factory is not dataclasses.MISSING:
             default = f.default_factory()
+        if dataclasses.is_dataclass(default):
+            nested = (sets or {}).get(f.name) if sets is not None else None
+            inner = dataclasses.fields(default)
+            lines += field_rows(
+                type(default), f"{prefix}{f.name}.", inner, nested or ({} if sets is not None else None), None
+            )
+            continue
         shown = "required" if f.default is f.default_factory is dataclasses.MISSING else code(literal(default))
         cells = [key_cell(f"{prefix}{f.name}"), code(str(f.type)), shown]
         if sets is not None:
             cells.append(code(literal(sets[f.name])) if f.name in sets and sets[f.name] != default else "")
         cells.append(escape(notes.get(f.name, "")))
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return lines
 
 
 @cache

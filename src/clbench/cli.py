@@ -269,11 +269,13 @@ def app(cfg: DictConfig) -> float | None:
         if not multirun and ranks.is_main:
             warn_left_behind(run_cfg, run_dir, overrides)
         results = train(run_cfg, run_dir, name=hydra_cfg.job.override_dirname or None)
+        distributed.leave()
         RunFolderGuard.put_back()  # a finished run resumed: nothing was written, its folder is given back as it was
         ended(DONE)
         value = results.objective["value"] if results.objective else None
         return math.nan if run_cfg.objective is not None and value is None else value
     except Preempted as err:
+        distributed.leave()  # every rank stops at the same step (Ranks.agree) and leaves with the others
         print(
             f"\nclbench: {err}. Its checkpoint is in {folder}; to go on where it stopped, run:\n"
             f"  {resume_command(folder, overrides)}",
@@ -323,6 +325,10 @@ def main() -> None:
             sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=disabled", "hydra.run.dir=."]
     for sig in (signal.SIGINT, signal.SIGTERM):  # the training loop installs its own handlers while it runs
         signal.signal(sig, interrupted)
+    # A clbench process logs through a W&B service of its own: one inherited from the process that started it
+    # (WANDB_SERVICE, set by any wandb.init there) keeps a killed run's stream open, and refuses its resume ("run ID
+    # ... is in use").
+    os.environ.pop("WANDB_SERVICE", None)
     held = HeldStderr.hold()
     try:
         app()

@@ -278,8 +278,15 @@ class TrainerConfig:
     optimizer: str = "adamw"  # adamw | adam | sgd | adamw_bert (BERT's: no bias correction, eps 1e-6)
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0  # not on biases, norms and position/class tokens (unless a method's group sets its own)
-    schedule: str = "cosine"  # cosine | constant | exponential, per phase | plateau (HAT's, on validation)
-    lr_decay: float = 0.95  # exponential: the lr's factor after each epoch (staircase; APD's code: 0.95)
+    schedule: str = "cosine"  # cosine | constant | exponential | multistep, per phase | plateau (HAT's, on validation)
+    # exponential: the lr's factor after each epoch (staircase; APD's code: 0.95); multistep: at each milestone
+    lr_decay: float = 0.95
+    milestones: list[int] = field(
+        default_factory=list
+    )  # multistep: the epochs of a phase from which lr x lr_decay again
+    # cosine: the rate moves along the cosine every batch | once an epoch (a torch scheduler stepped after each epoch)
+    schedule_steps: str = "batch"
+    cosine_epochs: int | None = None  # cosine: its length in epochs (null: the phase's); a shorter one rises again
     plateau_patience: int = 5  # plateau: epochs without a better validation loss before the lr is divided
     plateau_factor: float = 3.0  # plateau: the divisor (HAT: 3); the phase stops once lr falls below min_lr
     warmup_epochs: float = 0.0  # linear warm-up at the start of each phase
@@ -318,8 +325,24 @@ class TrainerConfig:
         require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd", "adamw_bert"))
         require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
-        require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "exponential", "plateau"))
+        require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "exponential", "multistep", "plateau"))
         require(0 < self.lr_decay <= 1, "trainer.lr_decay", self.lr_decay, "a float in (0, 1]")
+        milestones = list(self.milestones)
+        require(
+            all(isinstance(m, int) and m >= 1 for m in milestones) and milestones == sorted(set(milestones)),
+            "trainer.milestones",
+            milestones,
+            "increasing epochs >= 1, e.g. [18]",
+        )
+        require(
+            self.schedule != "multistep" or bool(milestones),
+            "trainer.milestones",
+            milestones,
+            "at least one epoch with trainer.schedule=multistep, e.g. [18]",
+        )
+        require_choice("trainer.schedule_steps", self.schedule_steps, ("batch", "epoch"))
+        ok = self.cosine_epochs is None or self.cosine_epochs >= 1
+        require(ok, "trainer.cosine_epochs", self.cosine_epochs, "null (the phase's epochs) or an integer >= 1")
         require(self.plateau_patience >= 1, "trainer.plateau_patience", self.plateau_patience, "an integer >= 1")
         require(self.plateau_factor > 1, "trainer.plateau_factor", self.plateau_factor, "a float > 1")
         require(self.warmup_epochs >= 0, "trainer.warmup_epochs", self.warmup_epochs, "a float >= 0")

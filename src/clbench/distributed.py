@@ -142,5 +142,16 @@ def init(device: str) -> Ranks:
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=30))
-    atexit.register(dist.destroy_process_group)
+    atexit.register(leave, together=False)  # a rank that failed leaves alone (the others may never get here)
     return current()
+
+
+def leave(together: bool = True) -> None:
+    """Leave the process group, if in one. ``together`` (a finished run): wait for every rank first, so that no rank
+    exits while another still has the group open; a rank whose peer had gone while gloo's threads still read from it
+    could abort (SIGABRT) after a run whose results were already written."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if together:
+        dist.barrier()
+    dist.destroy_process_group()

@@ -28,10 +28,15 @@ class Unused:
 
 UNUSED = [
     Unused("trainer.momentum", ("trainer.optimizer",), lambda optimizer: optimizer != "sgd"),
-    Unused("trainer.lr_decay", ("trainer.schedule",), lambda schedule: schedule != "exponential"),
+    Unused("trainer.lr_decay", ("trainer.schedule",), lambda schedule: schedule not in ("exponential", "multistep")),
+    Unused("trainer.milestones", ("trainer.schedule",), lambda schedule: schedule != "multistep"),
+    Unused("trainer.schedule_steps", ("trainer.schedule",), lambda schedule: schedule != "cosine"),
+    Unused("trainer.cosine_epochs", ("trainer.schedule",), lambda schedule: schedule != "cosine"),
     Unused("trainer.plateau_patience", ("trainer.schedule",), lambda schedule: schedule != "plateau"),
     Unused("trainer.plateau_factor", ("trainer.schedule",), lambda schedule: schedule != "plateau"),
-    Unused("trainer.min_lr", ("trainer.schedule",), lambda schedule: schedule in ("constant", "exponential")),
+    Unused(
+        "trainer.min_lr", ("trainer.schedule",), lambda schedule: schedule in ("constant", "exponential", "multistep")
+    ),
     Unused("trainer.label_smoothing", ("trainer.mixup", "trainer.cutmix"), lambda mixup, cutmix: not (mixup or cutmix)),
     Unused("data.crop_padding", ("data.train_crop",), lambda crop: crop != "pad"),
     Unused("data.resized_crop_scale", ("data.train_crop",), lambda crop: crop != "resized"),

@@ -32,12 +32,13 @@ TEST_SET = 10_000  # CIFAR-100's test set: the unit of the memory entries
 
 
 def write_jpeg_folder(folder: Path, images: int, side: int, classes: int = 10) -> None:
-    """``images`` smooth random JPEGs of ``side`` px in ``folder/{train,test}/<class>/`` (a few test images)."""
+    """``images`` smooth random JPEGs of ``side`` px in ``folder/{train,test}/<class>/``: every 50th round of the
+    classes is a test round, so both halves hold every class (a split archive's layout)."""
     from PIL import Image
 
     rng = np.random.default_rng(0)
     for i in range(images):
-        split = "test" if i % 50 == 0 else "train"
+        split = "test" if (i // classes) % 50 == 0 else "train"
         sub = folder / split / f"class_{i % classes}"
         sub.mkdir(parents=True, exist_ok=True)
         coarse = rng.integers(0, 256, (4, 4, 3), dtype=np.uint8)

@@ -26,14 +26,16 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """One optimizer over the method's groups for ``phase`` of ``task``. A group without ``weight_decay`` gets
     ``trainer.weight_decay`` except on biases, norms and position/class tokens; the batch-size scaling rule applies to
-    every lr. On CUDA the optimizer is fused (its state and step count live on the device), and ``capturable`` where
+    every lr. A group's ``lr_factor`` sets its lr to that factor of ``trainer.lr`` (SLCA's backbone: 1/100 of the
+    head's). On CUDA the optimizer is fused (its state and step count live on the device), and ``capturable`` where
     its step is captured in a CUDA graph (torch warns that it slows an uncaptured step)."""
     scale = cfg.batch_size / cfg.lr_scale_batch if cfg.lr_scale_batch else 1.0
     exempt = method.no_weight_decay_ids()
     final: list[dict[str, Any]] = []
-    for group in method.param_groups(task, phase):
+    for given in method.param_groups(task, phase):
+        group = {k: v for k, v in given.items() if k != "lr_factor"}
         params = [p for p in group["params"] if p.requires_grad]
-        base = {**group, "lr": group.get("lr", cfg.lr) * scale}
+        base = {**group, "lr": group.get("lr", cfg.lr * given.get("lr_factor", 1.0)) * scale}
         if "weight_decay" in group:
             final.append({**base, "params": params})
             continue
@@ -97,17 +99,24 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]
 
 
 def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig, per_epoch: int = 1) -> float:
-    """Linear warm-up, then cosine decay to ``min_lr``, a staircase ``lr_decay`` each epoch of ``per_epoch`` steps
-    (exponential: APD's x0.95), or constant; a factor on each group's lr."""
+    """Linear warm-up, then cosine decay to ``min_lr`` (every step, or once an epoch of ``per_epoch`` steps with
+    ``schedule_steps=epoch``; over ``cosine_epochs`` where set, rising again after them), a staircase ``lr_decay``
+    each epoch (exponential: APD's x0.95) or at each of ``milestones`` (multistep: torch's MultiStepLR stepped per
+    epoch, SLCA's), or constant; a factor on each group's lr."""
     if step < warmup:
         return (step + 1) / warmup
     if cfg.schedule == "exponential":
         return cfg.lr_decay ** ((step - warmup) // per_epoch)
-    if cfg.schedule != "cosine" or total <= warmup:
+    if cfg.schedule == "multistep":
+        return cfg.lr_decay ** sum(step // per_epoch >= m for m in cfg.milestones)
+    span = (cfg.cosine_epochs * per_epoch if cfg.cosine_epochs else total) - warmup
+    if cfg.schedule != "cosine" or span <= 0:
         return 1.0
-    progress = (step - warmup) / (total - warmup)
+    done = step - warmup
+    if cfg.schedule_steps == "epoch":
+        done -= done % per_epoch
     floor = cfg.min_lr / cfg.lr
-    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done / span))
 
 
 def rates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

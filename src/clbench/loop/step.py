@@ -35,7 +35,7 @@ from timm.data import Mixup
 from torch import nn
 from torch._dynamo.utils import counters
 
-from clbench.config import STEP_SAMPLERS
+from clbench.config import STEP_SAMPLERS, TrainerConfig
 from clbench.data import Task
 from clbench.errors import GraphCaptureError
 from clbench.loop.divergence import FirstNonFinite
@@ -93,6 +93,8 @@ def train_step(
     replay: bool = False,
     ids: torch.Tensor | None = None,
     watch: FirstNonFinite | None = None,
+    features: bool = False,
+    trainer: TrainerConfig | None = None,
 ) -> StepOut:
     """One optimisation step on a raw uint8 batch: device augmentation, loss, backward, the method's gradient
     surgery, clipping, the optimizer step, the method's constraints, and the batch offered to a reservoir memory.
@@ -101,17 +103,23 @@ def train_step(
     whole batch's). ``mixing``: the phase's :meth:`Runtime.mixup` (built once per phase, not per step). ``replay``:
     draw the method's memory batches (augmented like the current batch) and hand them to its loss. ``ids``: the rows'
     positions in the phase's data, for a method that :meth:`~clbench.methods.Method.takes_ids`. ``watch``: records
-    the loss and its logged terms at the phase's first non-finite step."""
+    the loss and its logged terms at the phase's first non-finite step. ``features``: the batch is drawn features (a
+    ``features`` phase), handed to the loss as they are and never to a memory. ``trainer``: the phase's settings (its
+    gradient clipping), the run's by default."""
     labels = y
     part, weight = rt.ranks.shard(len(y))
     method.batch_share = (len(y), part)
-    if mixing is not None and len(y) % 2 == 0:  # mixed over the whole batch, so each rank's share is one process's rows
+    if features:
+        x = x_raw[part]
+    elif (
+        mixing is not None and len(y) % 2 == 0
+    ):  # mixed over the whole batch, so each rank's share is one process's rows
         x, y = mixing(rt.train_tf(x_raw), y - task.offset)  # soft targets over the task's classes
         x = x[part]
     else:  # an odd last batch is not mixed (timm's Mixup pairs images)
         x = rt.train_tf(x_raw, part)
     memory = method.memory
-    stores = memory is not None and memory.sampler in STEP_SAMPLERS
+    stores = not features and memory is not None and memory.sampler in STEP_SAMPLERS
     if stores and memory.sampler in STORED_FIRST:  # L2P's buffer: the batch's chosen images go in before the draw
         offer(method, task, rt, x_raw, labels, view=x)
     extra: dict[str, Any] = {"replay": draw_replay(method, rt, len(y))} if replay else {}
@@ -127,8 +135,9 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     method.after_backward(task)
-    if rt.cfg.trainer.grad_clip:
-        torch.nn.utils.clip_grad_norm_(params, rt.cfg.trainer.grad_clip)
+    clip = (trainer or rt.cfg.trainer).grad_clip
+    if clip:
+        torch.nn.utils.clip_grad_norm_(params, clip)
     optimizer.step()
     method.after_step(task)
     if stores and memory.sampler not in STORED_FIRST:  # the reservoir: after the update (DER++'s logits are its step's)
@@ -216,11 +225,20 @@ class Stepper:
     method's logged values, without a host sync."""
 
     def __init__(
-        self, method: Method, task: Task, rt: Runtime, optimizer: torch.optim.Optimizer, mixing: Mixup | None = None
+        self,
+        method: Method,
+        task: Task,
+        rt: Runtime,
+        optimizer: torch.optim.Optimizer,
+        mixing: Mixup | None = None,
+        *,
+        trainer: TrainerConfig | None = None,
+        features: bool = False,
     ) -> None:
         self.method, self.task, self.rt, self.optimizer, self.mixing = method, task, rt, optimizer, mixing
+        self.trainer, self.features = trainer or rt.cfg.trainer, features  # the phase's settings; drawn features
         self.params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.full = rt.cfg.trainer.batch_size
+        self.full = self.trainer.batch_size
         compiled = None
         if rt.accel.compile:
             torch._dynamo.reset()  # a phase's graph is new (its head, masks, optimizer groups): drop the last ones
@@ -237,10 +255,11 @@ class Stepper:
     def __call__(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None = None) -> StepOut:
         """One step on a raw batch (``ids``: its rows' positions in the phase's data, where the method takes them)."""
         memory = self.method.memory
-        stores = memory is not None and memory.sampler in STEP_SAMPLERS
+        stores = not self.features and memory is not None and memory.sampler in STEP_SAMPLERS
         if stores and memory.sampler in STORED_FIRST:
             memory.offer_counted(len(y))  # the host's count of what the step stores before it draws
-        self.replay = self.method.draws_replay(self.task) and memory is not None and not memory.empty
+        replay = self.method.draws_replay(self.task) and memory is not None and not memory.empty
+        self.replay = replay and not self.features
         out = self.step(x_raw, y, ids)
         if stores and memory.sampler not in STORED_FIRST:
             memory.offer_counted(len(y))  # the host's count of what the step offered (a graph replay runs no Python)
@@ -305,6 +324,8 @@ class Stepper:
             replay=self.replay,
             ids=ids,
             watch=self.watch,
+            features=self.features,
+            trainer=self.trainer,
         )
 
     def on_side_stream(self, x_raw: torch.Tensor, y: torch.Tensor, ids: torch.Tensor | None) -> StepOut:

@@ -24,6 +24,7 @@ from rich.progress import Progress
 
 from clbench import smoke
 from clbench.checkpoint import Cursor
+from clbench.config import TrainerConfig
 from clbench.data import Split, Task
 from clbench.distributed import Ranks
 from clbench.errors import Diverged, Preempted
@@ -85,11 +86,17 @@ def run_task(
             images += observe_pass(method, task, data, rt, hooks.stop, augment=phase.augment)
             method.train()
         elif phase.epochs:
-            data = phase_data(method, phase, split, rt.streamed_from)
+            data = None if phase.data == "features" else phase_data(method, phase, split, rt.streamed_from)
             run = PhaseRun(method, task, phase, p, split=data, rt=rt, hooks=hooks, resume=start if resumed else None)
             step, seen = run.epochs(step)
             images += seen
     return step, images
+
+
+def phase_trainer(cfg: TrainerConfig, phase: Phase) -> TrainerConfig:
+    """The run's trainer settings with the phase's own (:attr:`Phase.trainer`) in their place, checked as the run's
+    are."""
+    return dataclasses.replace(cfg, **phase.trainer) if phase.trainer else cfg
 
 
 def phase_data(method: Method, phase: Phase, split: Split, streamed_from: list[Split] | None = None) -> Split:
@@ -156,7 +163,8 @@ def batched_features(method: Method, task: Task, rt: Runtime, batches: Iterator[
 
 class PhaseRun:
     """A training phase: its optimizer, learning-rate schedule (and plateau state), stepper and epochs; ``resume``:
-    the cursor of a checkpoint written inside this phase."""
+    the cursor of a checkpoint written inside this phase. A ``features`` phase (``split`` None) trains on what
+    ``method.drawn_split`` draws for each epoch: no image is read or augmented, and none is counted as trained."""
 
     def __init__(
         self,
@@ -165,15 +173,21 @@ class PhaseRun:
         phase: Phase,
         index: int,
         *,
-        split: Split,
+        split: Split | None,
         rt: Runtime,
         hooks: Hooks,
         resume: Cursor | None = None,
     ) -> None:
-        cfg = rt.cfg.trainer
+        self.cfg = cfg = phase_trainer(rt.cfg.trainer, phase)
         self.method, self.task, self.phase, self.index = method, task, phase, index
-        self.split, self.rt, self.hooks, self.resume = split, rt, hooks, resume
-        self.per_epoch = split.num_batches(cfg.batch_size)
+        self.rt, self.hooks, self.resume = rt, hooks, resume
+        self.drawn = phase.data == "features"
+        self.drawn_for = resume.epoch if resume is not None else 0  # the epoch whose features self.split holds
+        if self.drawn:
+            split = method.drawn_split(task, phase, self.drawn_for)
+        assert split is not None  # a phase of images is handed its data
+        self.split = split
+        self.per_epoch = self.split.num_batches(cfg.batch_size)
         self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
         method.check_steps(task, phase, self.optimizer)
         if hooks.trains is not None:
@@ -189,9 +203,9 @@ class PhaseRun:
         if resume is not None and self.plateau is not None and resume.plateau is not None:
             self.plateau = dataclasses.replace(self.plateau, **resume.plateau)
         rates_on_device(self.optimizer, rt.device)
-        mixing = rt.mixup(task)
+        mixing = None if self.drawn else rt.mixup(task)
         self.rows = rt.ranks.rows(mirrored=mixing is not None)  # what this rank reads of each streamed batch
-        self.stepper = Stepper(method, task, rt, self.optimizer, mixing)
+        self.stepper = Stepper(method, task, rt, self.optimizer, mixing, trainer=cfg, features=self.drawn)
         self.ids = method.takes_ids()  # hand each batch's positions in the phase's data to the loss
         self.running = torch.zeros((), device=rt.device)  # the losses since the last log step
         self.diagnostics = Diagnostics(rt.device, resume.diagnostics if resume is not None else None)
@@ -245,12 +259,14 @@ class PhaseRun:
     def epoch(self, epoch: int, step: int, resume: Cursor | None, bar: int | None) -> tuple[int, int]:
         """The epoch's batches (from a checkpoint's batch and order when ``resume`` is set); returns (global step,
         images seen)."""
-        cfg, rt, task, hooks = self.rt.cfg.trainer, self.rt, self.task, self.hooks
+        cfg, rt, task, hooks = self.cfg, self.rt, self.task, self.hooks
+        if self.drawn and epoch != self.drawn_for:
+            self.split, self.drawn_for = self.method.drawn_split(task, self.phase, epoch), epoch
         self.method.before_epoch(task, len(self.split), cfg.batch_size)
         order = resume.order if resume is not None and resume.order is not None else self.split.permutation()
         first_batch, started = resume.batch if resume is not None else 0, time.time()
         epoch_loss = torch.zeros((), device=rt.device)
-        images = 0
+        images = taken = 0  # images trained on (drawn features count none) and steps taken in this epoch
         batches = self.split.batches(cfg.batch_size, order=order, start=first_batch, rows=self.rows)
         with closing(batches):  # a stop or an error mid-epoch shuts a streamed epoch's reader workers down at once
             for batch, (x_raw, y) in enumerate(batches, first_batch):
@@ -262,7 +278,8 @@ class PhaseRun:
                 self.running += loss
                 epoch_loss += loss
                 step += 1
-                images += len(y)
+                taken += 1
+                images += 0 if self.drawn else len(y)
                 signum = hooks.signal()
                 if rt.ranks.size > 1:  # ranks decide together, at log steps, so that all stop at the same step
                     signum = rt.ranks.agree(signum) if step % cfg.log_every == 0 else None
@@ -276,13 +293,14 @@ class PhaseRun:
                     raise Preempted(f"stopped by {name} at task {task.id}, epoch {epoch}, step {step}", signum)
                 if self.steps_done():
                     break
-        done = batch + 1 - first_batch if images else 0  # 0 where a checkpoint was written after the epoch's last batch
+        done = taken  # 0 where a checkpoint was written after the epoch's last batch
         if done:  # the epoch's mean loss whatever the task length: checked (one host sync) and logged once
             position = f"{where(task, self.phase, epoch)} (its end), step {step}"
+            rate = min(done * cfg.batch_size, len(self.split)) / max(time.time() - started, 1e-9)
             values = {
                 "epoch_loss": check_finite(rt, epoch_loss, done, position, self.stepper.watch),
                 "lr": current_lr(self.schedule),
-                "images_per_s": min(done * cfg.batch_size, len(self.split)) / max(time.time() - started, 1e-9),
+                "features_per_s" if self.drawn else "images_per_s": rate,
             }
             log_epoch(
                 f"task {task.id} {self.phase.name} epoch {epoch + 1}/{self.phase.epochs}", values, rt, hooks, step
@@ -295,7 +313,7 @@ class PhaseRun:
 
     def log_steps(self, logs: Logs, epoch: int, step: int, bar: int | None) -> None:
         """The mean loss of the last ``log_every`` steps (checked finite) and the method's values: W&B, the bar."""
-        every = self.rt.cfg.trainer.log_every
+        every = self.cfg.log_every
         position = f"{where(self.task, self.phase, epoch)}, step {step}"
         mean_loss = check_finite(self.rt, self.running, every, position, self.stepper.watch)
         self.running.zero_()
@@ -307,7 +325,7 @@ class PhaseRun:
 
     def after_epoch(self, epoch: int, step: int) -> bool:
         """The plateau schedule's validation and the periodic checkpoint; False once the plateau ends the phase."""
-        cfg, go_on = self.rt.cfg.trainer, True
+        cfg, go_on = self.cfg, True
         if self.plateau is not None:
             loss = validation_loss(self.method, self.task, self.rt)
             go_on = self.plateau.update(loss, self.method, cfg.lr, cfg.min_lr)
@@ -354,17 +372,20 @@ def log_epoch(label: str, values: dict[str, float], rt: Runtime, hooks: Hooks, s
     shows (a SLURM log, a pipe)."""
     if hooks.tracker:
         hooks.tracker.log({f"train/{k}": v for k, v in values.items()}, step)
+    unit = "features" if "features_per_s" in values else "images"
     say(
-        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {throughput(values['images_per_s'])}",
+        f"{label}: loss {values['epoch_loss']:.4f}, lr {values['lr']:.3g}, {throughput(values[f'{unit}_per_s'], unit)}",
         terminal=rt.ranks.is_main and not console.is_terminal,
     )
 
 
-def throughput(images_per_s: float) -> str:
-    """``512 images/s``; below one image a second, the seconds an image takes (``3.2 s/image``: a ViT-B on a CPU)."""
-    if images_per_s >= 1:
-        return f"{images_per_s:.0f} image{'' if round(images_per_s) == 1 else 's'}/s"
-    return f"{1 / images_per_s:.3g} s/image" if images_per_s > 0 else "no images"
+def throughput(per_s: float, unit: str = "images") -> str:
+    """``512 images/s``; below one a second, the seconds one takes (``3.2 s/image``: a ViT-B on a CPU). ``unit``:
+    what is counted, plural (``features`` in a phase of drawn features)."""
+    one = unit.removesuffix("s")
+    if per_s >= 1:
+        return f"{per_s:.0f} {one if round(per_s) == 1 else unit}/s"
+    return f"{1 / per_s:.3g} s/{one}" if per_s > 0 else f"no {unit}"
 
 
 @torch.no_grad()

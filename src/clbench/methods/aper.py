@@ -27,8 +27,8 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from clbench.data import Benchmark, Task
-from clbench.methods.base import Logs, Phase
-from clbench.methods.first_session import FirstSession, FirstSessionConfig
+from clbench.methods.base import Phase
+from clbench.methods.first_session import FirstSession, FirstSessionConfig, FirstSessionLearner
 from clbench.methods.simplecil import SimpleCIL
 
 
@@ -38,7 +38,7 @@ class APERConfig(FirstSessionConfig):
     (aper_finetune)."""
 
 
-class APER(SimpleCIL):
+class APER(FirstSessionLearner, SimpleCIL):
     """``heads[t].weight`` holds task ``t``'s prototypes of phi_APER (2d wide); ``features`` is phi_APER."""
 
     Config = APERConfig
@@ -59,16 +59,6 @@ class APER(SimpleCIL):
         if phase.observe:
             self.first.freeze()  # the merged network is frozen
             super().before_phase(task, phase)
-
-    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        return [{"params": self.first.trained()}]
-
-    def no_weight_decay_ids(self) -> set[int]:
-        """None: the code's SGD decays every trained parameter (SSF scales, biases, sigma)."""
-        return set()
-
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        return self.task_loss(self.first.logits(x), y, task), {}
 
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
         """phi_APER(x) = [phi_PTM(x); phi_adapted(x)]."""

@@ -13,7 +13,7 @@ one is the argmax over all seen classes.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
@@ -24,7 +24,7 @@ from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from clbench.config import STEP_SAMPLERS, RunConfig
-from clbench.data import Benchmark, Task
+from clbench.data import Benchmark, Split, Task
 from clbench.memory import Memory
 
 Logs = dict[str, torch.Tensor]
@@ -70,9 +70,12 @@ class Phase:
     training one (statistics a method's code gathers from augmented images). A ``memory`` phase updates the
     rehearsal memory from the task's training data with its sampler (balanced, herding, greedy). ``data``: what a
     training phase trains on: ``task`` (the task's data, or what :meth:`Method.train_task_ids` names), ``memory``
-    (the memory alone: GDumb's fit), ``task+memory`` (both, shuffled together: BiC) or ``validation`` (the memory's
-    held-out images: BiC's bias stage). The images a memory holds out for validation are left out of the other
-    three."""
+    (the memory alone: GDumb's fit), ``task+memory`` (both, shuffled together: BiC), ``validation`` (the memory's
+    held-out images: BiC's bias stage) or ``features`` (no image: features the method draws for each epoch,
+    :meth:`Method.drawn_split`, which its ``training_loss`` receives in place of images: SLCA's classifier
+    alignment). The images a memory holds out for validation are left out of the first three. ``trainer``: the
+    phase's own optimisation settings over the run's (``trainer.*`` keys: its optimizer, lr, batch size, schedule),
+    e.g. a head-only stage with its own recipe."""
 
     name: str
     epochs: int
@@ -80,6 +83,7 @@ class Phase:
     memory: bool = False
     data: str = "task"
     augment: bool = False
+    trainer: Mapping[str, Any] | None = None
 
 
 class Method(nn.Module):
@@ -183,7 +187,8 @@ class Method(nn.Module):
         return [task.id]
 
     def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        """Optimizer groups; a group may carry its own ``lr`` and ``weight_decay``."""
+        """Optimizer groups; a group may carry its own ``lr`` (or ``lr_factor``, a factor on ``trainer.lr``) and
+        ``weight_decay`` (then applied to every parameter of the group, biases and norms included)."""
         raise NotImplementedError
 
     def check_steps(self, task: Task, phase: Phase, optimizer: torch.optim.Optimizer) -> None:
@@ -237,6 +242,13 @@ class Method(nn.Module):
     def observations(self) -> list[torch.Tensor]:
         """The sums an ``observe`` phase accumulated; the loop adds them up over the ranks of a multi-process run."""
         return []
+
+    def drawn_split(self, task: Task, phase: Phase, epoch: int) -> Split:
+        """What a ``features`` phase trains on in ``epoch``: float features (N x D) and their global labels, drawn on
+        the device by the method (SLCA: samples of its class Gaussians). The same (run seed, task, epoch) must give the
+        same draw, so that an epoch resumed from a checkpoint trains on the features it was interrupted on; every rank
+        draws the whole set and trains on its share of each batch."""
+        raise NotImplementedError
 
     # ----------------------------------------------------------------------------- inference
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:

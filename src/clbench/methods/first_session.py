@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
 from clbench.config import require, require_choice
+from clbench.data import Task
+from clbench.methods.base import Logs, Method, Phase
 from clbench.methods.parts import petl
 from clbench.methods.parts.adaptformer import AdapterConfig
 from clbench.methods.parts.cosine import CosineHead
@@ -124,3 +126,21 @@ class FirstSession(nn.Module):
             self.tuned.load_state_dict(tuned)
         elif self.petl:
             self.petl.load(tensors, "petl.")
+
+
+class FirstSessionLearner(Method):
+    """A method whose only gradient steps are its first session's (``self.first``, a :class:`FirstSession`): the
+    module (or the copy) and its cosine head, by cross-entropy over the first task's classes, with weight decay on
+    every trained parameter (both codes' SGD)."""
+
+    first: FirstSession
+
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
+        return [{"params": self.first.trained()}]
+
+    def no_weight_decay_ids(self) -> set[int]:
+        """None: the code's SGD decays every trained parameter (SSF scales, biases, sigma)."""
+        return set()
+
+    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
+        return self.task_loss(self.first.logits(x), y, task), {}

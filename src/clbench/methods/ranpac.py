@@ -34,8 +34,8 @@ from torch import nn
 
 from clbench.config import require
 from clbench.data import Benchmark, Task
-from clbench.methods.base import Logs, Method, Phase
-from clbench.methods.first_session import FirstSession, FirstSessionConfig, vit_features
+from clbench.methods.base import Phase
+from clbench.methods.first_session import FirstSession, FirstSessionConfig, FirstSessionLearner, vit_features
 from clbench.methods.parts import petl
 from clbench.methods.parts.ridge import (
     RIDGES,
@@ -63,7 +63,7 @@ class RanPACConfig(FirstSessionConfig):
         require(0 < self.fit_fraction < 1, "method.fit_fraction", self.fit_fraction, "in (0, 1)")
 
 
-class RanPAC(Method):
+class RanPAC(FirstSessionLearner):
     """``heads[t]`` holds the ridge head's rows of task ``t``'s classes over h (in_features M); ``features`` is h."""
 
     Config = RanPACConfig
@@ -125,16 +125,6 @@ class RanPAC(Method):
         seed = hash((int(self.rp_seed), task.id)) % 2**63
         rows, fit = self.train_sizes[task.id], self.config.fit_fraction
         self.task_stats = HoldoutStatistics(self.width, self.num_classes, rows, fit=fit, seed=seed, device=device)
-
-    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
-        return [{"params": self.first.trained()}]
-
-    def no_weight_decay_ids(self) -> set[int]:
-        """None: the code's SGD decays every trained parameter (SSF scales, biases, sigma)."""
-        return set()
-
-    def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
-        return self.task_loss(self.first.logits(x), y, task), {}
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor, y: torch.Tensor, task: Task, rows: torch.Tensor) -> None:
