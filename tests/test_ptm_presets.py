@@ -73,6 +73,8 @@ def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recip
     assert cfg.backbone.pretrained and not cfg.backbone.normalize  # pixels in [0, 1], as every one of the codes
     if preset.startswith("simplecil"):
         return  # it has no training step
+    if preset.startswith("ease"):  # the OmniBenchmark configs run the code's moni_adam (APER mode), the others EASE
+        assert cfg.method.aper_mode == ("omnibench" in preset)
     adam = preset == "ease_objectnet_p_b0inc10_in1k"  # exps/ease_obj.json: optimizer adam
     assert cfg.trainer.optimizer == ("adam" if adam else "sgd") and cfg.trainer.min_lr == 0.0
     assert adam or cfg.trainer.momentum == 0.9
@@ -94,11 +96,10 @@ def test_the_tables_read_protocol_ps_micro_metrics_for_aper_and_the_per_task_mea
 
 def test_the_ease_table_reads_protocol_ps_micro_metrics_and_labels_its_aper_mode_rows() -> None:
     """EASE's logs report Ā and A_T (micro) for both backbones; the OmniBenchmark configs run the code's moni_adam,
-    APER with an adapter: their rows say so and their presets run that mode."""
+    APER with an adapter: their rows say so (that their presets run that mode is checked preset by preset above)."""
     ease = paper_table.load_table("ease")
     assert [c.reads for c in ease.columns] == ["metrics.cil.avg_incremental_acc_micro", "metrics.cil.final_acc_micro"]
     (row,) = [r for r in ease.rows if r.preset == "ease_cifar224_b0inc5_in21k"]
     assert row.published == {"avg_acc": (91.51, None), "last_acc": (85.8, None)}
     for row in ease.rows:
-        aper_mode = validate(compose_config(f"experiment={row.preset}", *TINY_STAND_INS)).method.aper_mode
-        assert aper_mode == ("omnibench" in row.preset) == ("APER mode" in row.label), row.preset
+        assert ("omnibench" in row.preset) == ("APER mode" in row.label), row.preset

@@ -43,7 +43,7 @@ def matrices(results_json: Path) -> dict:
         ("ranpac", ("step", 4)),
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
         ("ease", ("step", 10)),  # task 1, epoch 1: its adapter set and proxy head mid-training, task 0's kept
-        ("ease", ("evaluate", 6)),  # after task 0: its adapter set and prototypes
+        pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),  # after task 0: its adapter set, prototypes
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
