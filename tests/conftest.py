@@ -117,13 +117,13 @@ def attention_ops(step: Callable[[], object], *, cuda: bool = False) -> tuple[se
     return fused, maps
 
 
-def baselines_slow(methods: tuple[str, ...] | list[str]) -> list:
-    """``methods`` as pytest parameters, the seed tables' baselines (clbench.methods.BASELINES) under the ``slow``
-    marker: their own test files check them in the default suite, the every-method runs in ``make test-all`` (the
-    default suite stays within its 15 minutes on 2 cores)."""
+def baselines_slow(methods: tuple[str, ...] | list[str], also: tuple[str, ...] = ()) -> list:
+    """``methods`` as pytest parameters, the seed tables' baselines (clbench.methods.BASELINES) and ``also`` under
+    the ``slow`` marker: their own test files check them in the default suite, the every-method runs in ``make
+    test-all`` (the default suite stays within its 15 minutes on 2 cores)."""
     from clbench.methods import BASELINES
 
-    return [pytest.param(m, marks=pytest.mark.slow) if m in BASELINES else m for m in methods]
+    return [pytest.param(m, marks=pytest.mark.slow) if m in (*BASELINES, *also) else m for m in methods]
 
 
 def crash_and_resume(monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...], folder: Path, step: int) -> None:

@@ -320,16 +320,11 @@ def test_parallel_jobs_split_the_cores() -> None:
 
 # --------------------------------------------------------------------------------------------- crashes, then resume
 METHODS = ALL_METHODS
-# EASE crashes and resumes at chosen points in the default suite (tests/test_resume.py); its drawn point runs in make
-# test-all (the default suite's budget).
-CHOSEN_POINTS_ONLY = {"ease"}
 
 
-@pytest.mark.parametrize(
-    "method",
-    baselines_slow([m for m in METHODS if m not in CHOSEN_POINTS_ONLY])
-    + [pytest.param(m, marks=pytest.mark.slow) for m in METHODS if m in CHOSEN_POINTS_ONLY],
-)
+# MIN's and EASE's crashes at chosen points run in the default suite (tests/test_resume.py), their drawn points in
+# make test-all (the default suite's budget)
+@pytest.mark.parametrize("method", baselines_slow(METHODS, also=("min", "ease")))
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

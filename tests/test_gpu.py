@@ -6,15 +6,15 @@ one step's updates); bf16 finite and within a bound derived from bf16's precisio
 sums; fused attention (any fused SDPA backend) and no softmax of attention maps, from the profiler's operators; no
 hidden host synchronisation in the eager step nor in a graph replay (``torch.cuda.set_sync_debug_mode("error")``). At
 the micro ViT's shape: the compiled, graph-replayed step equal to the eager one (the schedule's rate changing at every
-step), HAT's annealed s, MEAT's Gumbel noise and the crops and flips fresh at every replay, a failed capture stopping
-the run with the way out named; SLCA's alignment (a phase on drawn features) replayed as a graph equal to eager,
-without a host sync. Then runs: a 1-process NCCL DDP run
-through torchrun; streamed batches (data.store=stream) equal to held ones, and a streamed run's memory in pinned host
-memory that the step reads and writes in place; the zero-forgetting methods' bit-exact TIL;
-a run killed mid-task resuming to the uninterrupted run's results.
+step), HAT's annealed s, MEAT's Gumbel noise, MIN's noise draws and the crops and flips fresh at every replay, a
+failed capture stopping the run with the way out named; SLCA's alignment (a phase on drawn features) replayed as a
+graph equal to eager, without a host sync. Then runs: a 1-process NCCL DDP run through torchrun; streamed batches
+(data.store=stream) equal to held ones, and a streamed run's memory in pinned host memory that the step reads and
+writes in place; the zero-forgetting methods' bit-exact TIL; a run killed mid-task resuming to the uninterrupted
+run's results.
 
 Marked ``gpu``: deselected by `make test`, skipped cleanly without CUDA. The CPU halves of the comparisons run in
-the default suite (``test_the_cpu_reference_of_the_comparison_is_deterministic``).
+the default suite (``test_the_cpu_reference_of_the_comparison_is_deterministic``; MIN's in ``make test-all``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from clbench.loop.task import Hooks, PhaseRun, run_task
 from clbench.methods import TRAINED, ctr, meat
 from clbench.methods.base import Method, Phase
 from clbench.methods.parts.bottleneck import Bottleneck
+from clbench.methods.parts.pinoise import NoiseLayers
 from conftest import TINY, attention_ops, clbench, compose_config, run_command, said, torchrun
 
 METHODS = TRAINED
@@ -86,12 +87,19 @@ def bottleneck_without_dropout(self: Bottleneck, x: torch.Tensor) -> torch.Tenso
     return self.up(self.activation(self.down(x)))
 
 
+def noise_without_draws(self: NoiseLayers, index: int, tokens: torch.Tensor) -> torch.Tensor:
+    """MIN's Pi-Noise layer as its code computes it, mu + sigma, where the paper's reading draws xi."""
+    return self.layers[index](tokens, self.omega)
+
+
 def without_noise(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The methods' Gumbel draws (MEAT's token masks, CTR's transfer gates) replaced by their noise-free samples, and
-    adapters' dropout left out: the CPU and CUDA generators, and eager and compiled steps, draw differently."""
+    """The methods' Gumbel draws (MEAT's token masks, CTR's transfer gates) replaced by their noise-free samples,
+    adapters' dropout and MIN's noise draws left out: the CPU and CUDA generators, and eager and compiled steps, draw
+    differently."""
     monkeypatch.setattr(meat, "hard_gumbel_keep", deterministic_gumbel)
     monkeypatch.setattr(ctr, "hard_gate", deterministic_gate)
     monkeypatch.setattr(Bottleneck, "forward", bottleneck_without_dropout)
+    monkeypatch.setattr(NoiseLayers, "noisy", noise_without_draws)
 
 
 def comparable(key: str, value: torch.Tensor) -> torch.Tensor:
@@ -118,21 +126,36 @@ def assert_states_agree(expected: dict[str, torch.Tensor], got: dict[str, torch.
         assert close.float().mean() >= 0.999, (key, (mine - value).abs().max())
 
 
+def training_phase(method: Method, task: Task) -> Phase:
+    """The task's first phase with gradient steps (MIN's comes after its observe passes)."""
+    return next(p for p in method.phases(task, 1) if not (p.observe or p.memory))
+
+
+def start_training(method: Method, task: Task) -> Phase:
+    """The task started up to its first training phase, as the loop starts each phase before it (without data)."""
+    phase = training_phase(method, task)
+    for earlier in method.phases(task, 1):
+        method.before_phase(task, earlier)
+        if earlier == phase:
+            return phase
+    raise AssertionError("unreachable")
+
+
 def prepared(method_name: str, device: str, precision: str = "fp32") -> tuple[Method, Runtime]:
-    """A method with its first task started, built with seed 0 on ``device``."""
+    """A method with its first task started up to its first training phase, built with seed 0 on ``device``."""
     overrides = (f"method={method_name}", f"trainer.device={device}", f"trainer.precision={precision}")
     cfg = validate(compose_config(*VIT_S, *overrides, "trainer.compile=false"))
     method, rt = build_runtime(cfg)
     task = rt.benchmark.tasks[0]
     method.before_task(task)
-    method.before_phase(task, method.phases(task, 1)[0])
+    start_training(method, task)
     return method, rt
 
 
 def one_step(method: Method, rt: Runtime, x_raw: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """One real training step (the loop's train_step) on a fixed batch with the test-time transform."""
     task = rt.benchmark.tasks[0]
-    optimizer = build_optimizer(method, task, method.phases(task, 1)[0], rt.cfg.trainer)
+    optimizer = build_optimizer(method, task, training_phase(method, task), rt.cfg.trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     method.train()
     method.before_step(task, 0, 1)
@@ -148,8 +171,7 @@ def phase_stepper(method_name: str, *overrides: str) -> tuple[Method, Runtime, P
     method, rt = build_runtime(cfg)
     task = rt.benchmark.tasks[0]
     method.before_task(task)
-    phase = method.phases(task, 1)[0]
-    method.before_phase(task, phase)
+    phase = start_training(method, task)
     method.train()
     return method, rt, PhaseRun(method, task, phase, 0, split=rt.benchmark.train[0], rt=rt, hooks=Hooks()), task
 
@@ -179,7 +201,7 @@ def strict_fp32() -> Iterator[None]:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
-@pytest.mark.parametrize("method_name", ["meat", "l2p", "ctr"])
+@pytest.mark.parametrize("method_name", ["meat", "l2p", "ctr", pytest.param("min", marks=pytest.mark.slow)])
 def test_the_cpu_reference_of_the_comparison_is_deterministic(
     method_name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -355,6 +377,21 @@ def test_each_replay_reads_hats_s_and_draws_fresh_noise() -> None:
     x, y = rt.benchmark.train[0].batch(None, 0, 32)
     ratios = [float(stepper(x, y)[1]["token_keep_ratio"]) for _ in range(WARMUP_STEPS + 4)]
     assert stepper.graph is not None and len(set(ratios[WARMUP_STEPS:])) > 1, ratios
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_each_replay_draws_mins_noise_afresh() -> None:
+    """MIN's paper reading draws xi inside the captured step: with the learning rate near 0, no augmentation and a
+    generator that makes noise, one batch's loss changes from replay to replay only through the draws."""
+    overrides = ("trainer.compile=false", "trainer.lr=1e-12", "data.train_crop=none", "data.hflip=false")
+    method, rt, run, _ = phase_stepper("min", *MICRO, *overrides)
+    with torch.no_grad():
+        for p in method.noise.newest():
+            p.normal_(std=0.1)
+    x, y = rt.benchmark.train[0].batch(None, 0, 32)
+    losses = [float(run.stepper(x, y)[0]) for _ in range(WARMUP_STEPS + 4)]
+    assert run.stepper.graph is not None and len(set(losses[WARMUP_STEPS:])) > 1, losses
 
 
 def annealed(batch: int) -> float:

@@ -33,11 +33,14 @@ SHRINK = (
 
 
 def first_step(method: Method, rt: Runtime) -> torch.Tensor:
-    """One training step of the first task with the preset's own phase, optimizer and transforms; its loss."""
+    """One training step of the first task with the preset's own first training phase (the phases before it started
+    in order, without data: MIN's fit passes), optimizer and transforms; its loss."""
     cfg, task = rt.cfg, rt.benchmark.tasks[0]
     method.before_task(task)
-    phase = method.phases(task, cfg.trainer.epochs)[0]
-    method.before_phase(task, phase)
+    for phase in method.phases(task, cfg.trainer.epochs):
+        method.before_phase(task, phase)
+        if not (phase.observe or phase.memory):
+            break
     optimizer = build_optimizer(method, task, phase, cfg.trainer)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     x, y = rt.benchmark.train[0].batch(None, 0, cfg.trainer.batch_size)

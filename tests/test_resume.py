@@ -42,6 +42,8 @@ def matrices(results_json: Path) -> dict:
         ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
         ("ranpac", ("step", 4)),
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
+        ("min", ("step", 11)),  # in task 1's noise phase: its fit passes' statistics, its generator, W_aux, omega
+        pytest.param("min", ("evaluate", 6), marks=pytest.mark.slow),  # the mid-task case above in the default suite
         ("ease", ("step", 10)),  # task 1, epoch 1: its adapter set and proxy head mid-training, task 0's kept
         pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),  # after task 0: its adapter set, prototypes
     ],

@@ -7,8 +7,8 @@ from clbench.methods.base import Method, Phase
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
 # The pretrained-model era's methods: adapt a pretrained ViT through a parameter-efficient module (APER and RanPAC in
 # the first session only, EASE a new one every task) or the whole ViT slowly (SLCA), then classify over its features
-# without exemplars.
-PTM_METHODS = ("aper", "ranpac", "slca", "ease")
+# (MIN through noise layers it learns) without exemplars.
+PTM_METHODS = ("aper", "ranpac", "slca", "min", "ease")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
 # methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (

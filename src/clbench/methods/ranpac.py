@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
@@ -43,6 +42,8 @@ from clbench.methods.parts.ridge import (
     RidgeStatistics,
     random_projection,
     relu_features,
+    ridge_head,
+    ridge_logits,
     select_ridge,
 )
 
@@ -108,9 +109,7 @@ class RanPAC(FirstSessionLearner):
     # ----------------------------------------------------------------------------- lifecycle
     def new_head(self, num_classes: int) -> nn.Linear:
         """A task's rows of W_o over the M features (filled by the solve; the bias stays 0)."""
-        head = nn.Linear(self.width, num_classes, device=self.backbone.pos_embed.device).requires_grad_(False)
-        nn.init.zeros_(head.bias)
-        return head
+        return ridge_head(self.width, num_classes, self.backbone.pos_embed.device)
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
         stats = Phase("statistics", 1, observe=True)  # the test transform (train_loader_for_CPs, mode="test")
@@ -150,14 +149,7 @@ class RanPAC(FirstSessionLearner):
         self.ridges[task.id] = ridge
         task_stats.fold_into(self.stats)
         del task_stats
-        self.write_heads(ridge)
-
-    def write_heads(self, ridge: float) -> None:
-        """W_o for every seen class, written to each seen task's head (L125-126: the rows of the seen classes)."""
-        seen = self.tasks[: self.num_seen]
-        weights = self.stats.solve(ridge, sum(t.num_classes for t in seen))
-        for task in seen:
-            self.heads[task.id].weight.copy_(weights[task.offset : task.offset + task.num_classes])
+        self.stats.write_heads(ridge, self.heads, self.tasks)  # L125-126: the rows of every seen class
 
     # ----------------------------------------------------------------------------- inference
     def features(self, x: torch.Tensor, task_id: int | None) -> torch.Tensor:
@@ -165,11 +157,8 @@ class RanPAC(FirstSessionLearner):
         return self.expand(vit_features(self.backbone, x))
 
     def head_logits(self, feats: torch.Tensor, task_id: int) -> torch.Tensor:
-        """h(x) · W_o[c] in fp32 whatever the autocast: a ridge solution's weights can be large and cancel, which
-        bf16's 8 bits would not keep."""
-        head = self.heads[task_id]
-        with torch.autocast(feats.device.type, enabled=False):
-            return F.linear(feats.float(), head.weight, head.bias)
+        """h(x) · W_o[c] in fp32 whatever the autocast."""
+        return ridge_logits(feats, self.heads[task_id])
 
     # ----------------------------------------------------------------------------- bookkeeping
     def storage(self) -> dict[str, Any]:

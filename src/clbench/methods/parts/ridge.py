@@ -1,6 +1,7 @@
 """A ridge (analytic) head over random ReLU features, from fp64 statistics: RanPAC's (McDonnell et al., NeurIPS 2023;
 RanPAC/RanPAC@012927f RanPAC.py ``setup_RP`` L246-260, ``replace_fc`` L91-136, ``optimise_ridge_parameter``
-L138-150).
+L138-150) and MIN's (Jiang et al., NeurIPS 2025; MIN's code's ``RandomBuffer`` and recursive least squares, which the
+same statistics solve exactly: :class:`PassStatistics`).
 
 Features h = ReLU(phi W) with W in R^{d x M} drawn once, entries N(0, 1) (:func:`random_projection`, from a seed, so
 it is stored as the seed). Over everything seen the head keeps G = sum h^T h (M x M) and Q = sum h^T y (M x C, y one-hot
@@ -16,9 +17,14 @@ seed (:class:`HoldoutStatistics`), so a run can be repeated and resumed.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+if TYPE_CHECKING:
+    from clbench.data import Task
 
 RIDGES = tuple(10.0**e for e in range(-8, 9))  # optimise_ridge_parameter: 10.0 ** np.arange(-8, 9)
 
@@ -33,6 +39,20 @@ def relu_features(feats: torch.Tensor, projection: torch.Tensor) -> torch.Tensor
     """h = ReLU(phi W) in fp32 whatever the autocast around it."""
     with torch.autocast(feats.device.type, enabled=False):
         return F.relu(feats.float() @ projection.float())
+
+
+def ridge_head(width: int, classes: int, device: torch.device) -> nn.Linear:
+    """A task's rows of the head over ``width`` features: filled by the solve, never trained; the bias stays 0."""
+    head = nn.Linear(width, classes, device=device).requires_grad_(False)
+    nn.init.zeros_(head.bias)
+    return head
+
+
+def ridge_logits(feats: torch.Tensor, head: nn.Linear) -> torch.Tensor:
+    """h · W_o[c] in fp32 whatever the autocast: a ridge solution's weights can be large and cancel, which bf16's 8
+    bits would not keep."""
+    with torch.autocast(feats.device.type, enabled=False):
+        return F.linear(feats.float(), head.weight, head.bias)
 
 
 def ridge_solve(gram: torch.Tensor, cross: torch.Tensor, ridge: float) -> torch.Tensor:
@@ -60,17 +80,26 @@ def select_ridge(
 class RidgeStatistics(nn.Module):
     """G (M x M) and Q (M x C) in fp64 over everything observed, kept where the method is (on the device: each batch
     adds its Gram matrix at GEMM speed), allocated at the first :meth:`allocate` (a checkpoint written before holds
-    neither)."""
+    neither). A checkpoint that holds them loads into statistics not yet allocated (a replay that observed nothing):
+    they are allocated on ``device`` first."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         super().__init__()
+        self.device = device
         self.register_buffer("gram", None)
         self.register_buffer("cross", None)
+        self.register_load_state_dict_pre_hook(RidgeStatistics.allocate_for)
 
     def allocate(self, size: int, classes: int, device: torch.device) -> None:
         if self.gram is None:
             self.gram = torch.zeros(size, size, dtype=torch.float64, device=device)
             self.cross = torch.zeros(size, classes, dtype=torch.float64, device=device)
+
+    def allocate_for(self, state: dict[str, torch.Tensor], prefix: str, *_: object) -> None:
+        """Before a state dict is loaded: the shapes of the G and Q it holds."""
+        gram, cross = state.get(prefix + "gram"), state.get(prefix + "cross")
+        if gram is not None and cross is not None:
+            self.allocate(gram.shape[0], cross.shape[1], self.device or gram.device)
 
     @torch.no_grad()
     def solve(self, ridge: float, classes: int) -> torch.Tensor:
@@ -78,6 +107,48 @@ class RidgeStatistics(nn.Module):
         seen yet have zero columns in Q, so solving for the seen ones alone is exact."""
         assert self.gram is not None and self.cross is not None
         return ridge_solve(self.gram, self.cross[:, :classes], ridge).T.float()
+
+    @torch.no_grad()
+    def write_heads(self, ridge: float, heads: nn.ModuleList, tasks: list[Task]) -> None:
+        """W_o of every class of the tasks that have a head, written into each one's rows: old classes' rows change
+        whenever the statistics do."""
+        seen = tasks[: len(heads)]
+        weights = self.solve(ridge, sum(t.num_classes for t in seen))
+        for task in seen:
+            heads[task.id].weight.copy_(weights[task.offset : task.offset + task.num_classes])
+
+
+class PassStatistics:
+    """One observe pass's G and Q and its row count, kept apart from the running :class:`RidgeStatistics` until the
+    ranks have added theirs up (a sum over ranks of the running ones would count them once per rank), then folded in.
+
+    Adding every batch's h^T h and h^T y is the recursive least squares of MIN's code (``MiNbaseNet.fit``: K = (I +
+    X R X^T)^-1, R <- R - R X^T K X R, W <- W + R X^T (Y - X W), R_0 = I / gamma) in closed form: after any sequence of
+    batches its W is (sum X^T X + gamma I)^-1 sum X^T Y, what :meth:`RidgeStatistics.solve` returns."""
+
+    def __init__(self, size: int, classes: int, device: torch.device) -> None:
+        f64 = {"dtype": torch.float64, "device": device}
+        self.gram = torch.zeros(size, size, **f64)
+        self.cross = torch.zeros(size, classes, **f64)
+        self.count = torch.zeros((), dtype=torch.long, device=device)
+
+    @torch.no_grad()
+    def observe(self, h: torch.Tensor, y: torch.Tensor) -> None:
+        """Add a batch's features ``h`` (B x M) and global labels ``y``."""
+        h = h.double()
+        self.gram.addmm_(h.T, h)
+        self.cross.addmm_(h.T, F.one_hot(y, self.cross.shape[1]).double())
+        self.count += len(y)
+
+    def sums(self) -> list[torch.Tensor]:
+        """What the ranks add up."""
+        return [self.gram, self.cross, self.count]
+
+    @torch.no_grad()
+    def fold_into(self, stats: RidgeStatistics) -> None:
+        assert stats.gram is not None and stats.cross is not None
+        stats.gram.add_(self.gram)
+        stats.cross.add_(self.cross)
 
 
 class HoldoutStatistics:
