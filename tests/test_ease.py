@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +16,6 @@ import torch.nn.functional as F
 
 from clbench.checkpoint import Cursor, Position
 from clbench.errors import ConfigError
-from clbench.loop import train
 from clbench.loop.optim import build_optimizer
 from clbench.loop.resume import replay
 from clbench.loop.runtime import build_runtime
@@ -317,13 +315,11 @@ def test_a_checkpoint_replay_restores_every_set_and_prototype_mid_task_too() -> 
     assert torch.equal(fresh.eval().predict(probe, None), method.eval().predict(probe, None))
 
 
-def test_the_artifacts_are_the_prototypes_and_the_adapter_sets(tmp_path: Path) -> None:
+def test_the_artifacts_are_the_prototypes_and_the_adapter_sets() -> None:
     """Not the pretrained backbone (unchanged): the heads and every set; test_run.py evaluates a finished run again
-    from them."""
-    train(tiny_config("method=ease", "method.bottleneck=8", "trainer.epochs=1", "data.num_tasks=2"), tmp_path)
-    from safetensors.torch import load_file
-
-    saved = load_file(tmp_path / "method_artifacts.safetensors")
+    from what a run saves of them."""
+    method, _ = started(tasks=2)
+    saved = method.artifacts()
     assert {k.split(".")[0] for k in saved} == {"head", "adapters"}
     assert {k.split(".")[1] for k in saved if k.startswith("adapters.")} == {"0", "1"}
 
