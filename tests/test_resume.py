@@ -44,8 +44,10 @@ def matrices(results_json: Path) -> dict:
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
         ("min", ("step", 11)),  # in task 1's noise phase: its fit passes' statistics, its generator, W_aux, omega
         pytest.param("min", ("evaluate", 6), marks=pytest.mark.slow),  # the mid-task case above in the default suite
-        ("ease", ("step", 10)),  # task 1, epoch 1: its adapter set and proxy head mid-training, task 0's kept
-        pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),  # after task 0: its adapter set, prototypes
+        # EASE: task 1, epoch 1 (its adapter set and proxy head mid-training, task 0's kept), and after task 0; in the
+        # default suite its checkpoint replay mid-task (tests/test_ease.py)
+        pytest.param("ease", ("step", 10), marks=pytest.mark.slow),
+        pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
