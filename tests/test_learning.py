@@ -185,7 +185,7 @@ def test_min_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_pat
     assert cil["min"] >= cil["simplecil"] + 5.0 and cil["official"] >= cil["simplecil"] + 5.0, cil
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # 60 s: two runs of the 5 digit tasks (make test-all)
 def test_ease_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_path: Path) -> None:
     """EASE's claim against frozen-feature prototypes, on the 5 digit tasks: its ensemble of per-task adapter subspaces
     gives a CIL final at least SimpleCIL's (measured: 81.7 against 80.7)."""
