@@ -1,8 +1,9 @@
-"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC, MIN, SD-LoRA and InfLoRA, and the tables of their
-published numbers (``clbench-report --table aper`` / ``ranpac`` / ``min`` / ``sdlora`` / ``inflora``): every row's
-preset exists, a glob sweeps exactly the table's presets, each preset names a Protocol-P data config, and its method
-and recipe build and take the first training step (on the embedded micro ViT and tiny data in place of the
-benchmark's: tests/test_preset_departures.py holds each preset, benchmark included, to its official code's values)."""
+"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC, MIN, SD-LoRA, InfLoRA and EASE (both
+backbones), and the tables of their published numbers (``clbench-report --table aper`` / ``ranpac`` / ``min`` /
+``sdlora`` / ``inflora`` / ``ease``): every row's preset exists, a glob sweeps exactly the table's presets, each preset
+names a Protocol-P data config, and its method and recipe build and take the first training step (on the embedded
+micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each preset, benchmark and
+backbone included, to its official code's values)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ PROTOCOL_P = {  # the pack's data configs, by their fixed names
     "omnibench_p_b0inc30",
     "vtab_p_b0inc10",
 }
-TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*", "min": "min_*"}
+TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*", "min": "min_*", "ease": "ease_*"}
 # In place of the benchmark and ViT-B/16: the embedded micro ViT (its shipped weights) on tiny synthetic tasks.
 TINY_STAND_INS = (
     "data=synthetic_tiny",
@@ -63,9 +64,10 @@ def test_every_row_has_its_preset_and_the_glob_sweeps_exactly_the_table() -> Non
         (override,) = parser.parse_overrides([f"experiment=glob({pattern})"])
         assert sorted(override.sweep_string_iterator()) == sorted(rows), table
     assert len(presets("aper")) == 6 * 7 and len(presets("ranpac")) == 6 and len(presets("min")) == 2 * 4
+    assert len(presets("ease")) == 2 * 7
 
 
-@pytest.mark.parametrize("preset", [*presets("aper"), *presets("ranpac"), *presets("min")])
+@pytest.mark.parametrize("preset", [*presets("aper"), *presets("ranpac"), *presets("min"), *presets("ease")])
 def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recipe(preset: str) -> None:
     full = compose_config(f"experiment={preset}")
     assert full.data.name in PROTOCOL_P  # set by the preset or the one it extends
@@ -76,7 +78,11 @@ def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recip
     cfg = validate(compose_config(f"experiment={preset}", *TINY_STAND_INS))
     if preset.startswith("simplecil"):
         return  # it has no training step
-    assert cfg.trainer.optimizer == "sgd" and cfg.trainer.momentum == 0.9 and cfg.trainer.min_lr == 0.0
+    if preset.startswith("ease"):  # the OmniBenchmark configs run the code's moni_adam (APER mode), the others EASE
+        assert cfg.method.aper_mode == ("omnibench" in preset)
+    adam = preset == "ease_objectnet_p_b0inc10_in1k"  # exps/ease_obj.json: optimizer adam
+    assert cfg.trainer.optimizer == ("adam" if adam else "sgd") and cfg.trainer.min_lr == 0.0
+    assert adam or cfg.trainer.momentum == 0.9
     method, rt = build_runtime(cfg)
     assert torch.isfinite(first_step(method, rt))
 
@@ -159,3 +165,14 @@ def test_a_lora_preset_names_its_protocol_p_benchmark_and_the_official_path(pres
         assert cfg.method.subspace_pass == "after" and cfg.trainer.optimizer == "adam"
     method, rt = build_runtime(cfg)
     assert torch.isfinite(first_step(method, rt))
+
+
+def test_the_ease_table_reads_protocol_ps_micro_metrics_and_labels_its_aper_mode_rows() -> None:
+    """EASE's logs report Ā and A_T (micro) for both backbones; the OmniBenchmark configs run the code's moni_adam,
+    APER with an adapter: their rows say so (that their presets run that mode is checked preset by preset above)."""
+    ease = paper_table.load_table("ease")
+    assert [c.reads for c in ease.columns] == ["metrics.cil.avg_incremental_acc_micro", "metrics.cil.final_acc_micro"]
+    (row,) = [r for r in ease.rows if r.preset == "ease_cifar224_b0inc5_in21k"]
+    assert row.published == {"avg_acc": (91.51, None), "last_acc": (85.8, None)}
+    for row in ease.rows:
+        assert ("omnibench" in row.preset) == ("APER mode" in row.label), row.preset

@@ -52,6 +52,10 @@ def matrices(results_json: Path) -> dict:
         pytest.param("inflora", ("step", 4), marks=pytest.mark.slow),  # mid-task: the designed A_t (no data to redo it)
         pytest.param("inflora", ("evaluate", 6), marks=pytest.mark.slow),  # between tasks: the DualGPM bases
         ("inflora-before", ("step", 11)),  # mid task 1: task 0's bases, A_1, the design pass's moments growing the next
+        # EASE: task 1, epoch 1 (its adapter set and proxy head mid-training, task 0's kept), and after task 0; in the
+        # default suite its checkpoint replay mid-task (tests/test_ease.py)
+        pytest.param("ease", ("step", 10), marks=pytest.mark.slow),
+        pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
@@ -161,12 +165,13 @@ def test_sigkill_mid_task_and_between_tasks_then_resume(tmp_path: Path, method: 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("method", PTM_METHODS)
-def test_a_first_session_method_killed_in_or_after_its_first_session_resumes_to_the_same_results(
+def test_a_pretrained_model_method_killed_in_or_after_its_first_task_resumes_to_the_same_results(
     tmp_path: Path, method: str
 ) -> None:
-    """SIGKILL after the first epoch's checkpoint of the first session (the PETL module and its head mid-training)
-    and after the first task's (the prototypes, or the ridge statistics G and Q with the projection's seed), then
-    resume=true: the uninterrupted run's matrices."""
+    """SIGKILL after the first epoch's checkpoint of the first task (the PETL module, EASE's first adapter set or
+    SLCA's slowly learning ViT, and the head mid-training) and after the first task's (the prototypes, the class
+    Gaussians, or the ridge statistics G and Q with the projection's seed), then resume=true: the uninterrupted run's
+    matrices."""
     overrides = (*TINY, *CHECKPOINTED, f"method={method}", "logger.mode=disabled")
     whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]

@@ -34,6 +34,8 @@ def passes(method: Method, x: torch.Tensor, task_id: int | None) -> int:
         *[(f"method={m}",) for m in METHODS],
         ("method=supsup", "method.inference=binary"),
         ("method=supsup", "method.inference=lowest_entropy"),
+        ("method=ease", "method.ptm_block=true"),
+        ("method=ease", "method.aper_mode=true"),
     ],
     ids=" ".join,
 )

@@ -5,10 +5,11 @@ from clbench.methods.base import Method, Phase
 # The rows the founding papers' tables compare against (L2P Table 1, MEAT Table 1): regularisation, rehearsal and
 # parameter-isolation baselines.
 BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classifier", "adapter")
-# The pretrained-model era's methods: adapt a pretrained ViT in the first session only, then classify over its frozen
-# features (APER, RanPAC); train it slowly beside the head (SLCA); a low-rank update of its attention a task (SD-LoRA,
-# InfLoRA); or noise mixed into its frozen blocks over an analytic head (MIN).
-PTM_METHODS = ("aper", "ranpac", "slca", "sdlora", "inflora", "min")
+# The pretrained-model era's methods: adapt a pretrained ViT through a parameter-efficient module (APER and RanPAC in
+# the first session only, EASE a new one every task), the whole ViT slowly (SLCA) or a low-rank update of its
+# attention a task (SD-LoRA, InfLoRA), then classify over its features (MIN through noise layers it learns) without
+# exemplars.
+PTM_METHODS = ("aper", "ranpac", "slca", "sdlora", "inflora", "min", "ease")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
 # methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (

@@ -28,27 +28,23 @@ from clbench.config import require, require_choice
 from clbench.data import Task
 from clbench.methods.base import Logs, Method, Phase
 from clbench.methods.parts import petl
+from clbench.methods.parts.adaptformer import AdapterConfig
 from clbench.methods.parts.cosine import CosineHead
 
 
 @dataclass
-class FirstSessionConfig:
-    """What the first session adapts and how (both codes' values)."""
+class FirstSessionConfig(AdapterConfig):
+    """What the first session adapts and how (both codes' values; the adapter's keys are :class:`AdapterConfig`'s:
+    APER's ffn_num 64, RanPAC's hard-coded 64, s 0.1, dropout 0.1)."""
 
     CHOICES: ClassVar[tuple[str, ...]] = (*petl.KINDS, "finetune")
     petl: str = "adapter"  # adapter | ssf | vpt_deep | vpt_shallow | finetune (the whole ViT, a copy)
-    bottleneck: int = 64  # adapter r (APER ffn_num 64; RanPAC hard-codes 64)
-    adapter_scale: float = 0.1  # adapter s (both codes' ffn_adapter_scalar "0.1")
-    adapter_dropout: float = 0.1  # dropout on the adapter's bottleneck (both codes: 0.1)
     prompts: int = 5  # VPT tokens per set (APER prompt_token_num 5; RanPAC hard-codes 5)
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         require_choice("method.petl", self.petl, self.CHOICES)
-        for key in ("bottleneck", "prompts"):
-            value = getattr(self, key)
-            require(isinstance(value, int) and value >= 1, f"method.{key}", value, "an integer >= 1")
-        require(self.adapter_scale > 0, "method.adapter_scale", self.adapter_scale, "> 0")
-        require(0 <= self.adapter_dropout < 1, "method.adapter_dropout", self.adapter_dropout, "in [0, 1)")
+        require(isinstance(self.prompts, int) and self.prompts >= 1, "method.prompts", self.prompts, "an integer >= 1")
 
 
 def vit_features(vit: VisionTransformer, x: torch.Tensor) -> torch.Tensor:

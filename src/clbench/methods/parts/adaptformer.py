@@ -1,7 +1,9 @@
 """AdaptFormer's parallel MLP adapter (Chen et al., "AdaptFormer: Adapting Vision Transformers for Scalable Visual
-Recognition", NeurIPS 2022), as APER and RanPAC use it (zhoudw-zdw/RevisitingCIL@a2e6b71 and RanPAC/RanPAC@012927f,
-``vision_transformer_adapter.py``: ``Adapter`` L31-90 with ``ffn_option="parallel"``, ``ffn_adapter_layernorm_option=
-"none"``, ``ffn_adapter_init_option="lora"``, ``ffn_adapter_scalar="0.1"``, dropout 0.1; ``Block.forward`` L165-183).
+Recognition", NeurIPS 2022), as APER, RanPAC and EASE use it (zhoudw-zdw/RevisitingCIL@a2e6b71 and
+RanPAC/RanPAC@012927f ``vision_transformer_adapter.py``: ``Adapter`` L31-90 with ``ffn_option="parallel"``,
+``ffn_adapter_layernorm_option="none"``, ``ffn_adapter_init_option="lora"``, ``ffn_adapter_scalar="0.1"``, dropout
+0.1; ``Block.forward`` L165-183; sun-hailong/CVPR24-Ease@6d67508 backbone/vit_ease.py ``Adapter`` L31-90, ``Block``
+L155-178, the same module).
 
 In each block the adapter reads the residual stream after attention, before the MLP's LayerNorm, and its output is
 added beside the MLP's::
@@ -20,14 +22,33 @@ block with a layer scale is refused: the adapter would be scaled too; drop path,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
 
+from clbench.config import require
 from clbench.errors import ConfigError
 from clbench.methods.parts.bottleneck import Bottleneck
+
+
+@dataclass
+class AdapterConfig:
+    """An AdaptFormer adapter's settings, as a method's config carries them (APER's, RanPAC's and EASE's codes:
+    ``ffn_num``, ``ffn_adapter_scalar`` "0.1", ``Adapter(dropout=0.1)``)."""
+
+    bottleneck: int = 64  # r (ffn_num)
+    adapter_scale: float = 0.1  # s (ffn_adapter_scalar "0.1")
+    adapter_dropout: float = 0.1  # dropout on the bottleneck, in training only
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.bottleneck, int) and self.bottleneck >= 1, "method.bottleneck", self.bottleneck,
+                "an integer >= 1")  # fmt: skip
+        require(self.adapter_scale > 0, "method.adapter_scale", self.adapter_scale, "> 0")
+        require(0 <= self.adapter_dropout < 1, "method.adapter_dropout", self.adapter_dropout, "in [0, 1)")
 
 
 class AdaptFormer(Bottleneck):
@@ -56,9 +77,10 @@ class AdaptFormer(Bottleneck):
 
 class ParallelAdapterMlp(nn.Module):
     """A block's MLP with its LayerNorm moved in and the adapter beside it: ``mlp(norm(x)) + adapter(x)``; the MLP
-    alone while ``active`` is False (bit for bit the pretrained block)."""
+    alone while ``active`` is False (bit for bit the pretrained block). ``adapter``: an :class:`AdaptFormer`, or a
+    module that runs one of several (:class:`~clbench.methods.parts.adapter_sets.AdapterBank`)."""
 
-    def __init__(self, norm: nn.Module, mlp: nn.Module, adapter: AdaptFormer) -> None:
+    def __init__(self, norm: nn.Module, mlp: nn.Module, adapter: nn.Module) -> None:
         super().__init__()
         self.norm = norm
         self.mlp = mlp
@@ -74,7 +96,18 @@ def attach_adaptformer(
     vit: VisionTransformer, bottleneck: int = 64, scale: float = 0.1, dropout: float = 0.1
 ) -> list[ParallelAdapterMlp]:
     """Give every block of ``vit`` a parallel adapter; returns the wrapped MLPs (their ``adapter`` is trainable)."""
+    return wrap_blocks(vit, lambda: new_adapter(vit, bottleneck, scale, dropout))
+
+
+def new_adapter(vit: VisionTransformer, bottleneck: int, scale: float, dropout: float) -> AdaptFormer:
+    """A fresh AdaptFormer for one block of ``vit``, on the ViT's device and in its dtype."""
     like = vit.cls_token if vit.cls_token is not None else vit.pos_embed
+    return AdaptFormer(vit.embed_dim, bottleneck, scale, dropout, device=like.device, dtype=like.dtype)
+
+
+def wrap_blocks(vit: VisionTransformer, make: Callable[[], nn.Module]) -> list[ParallelAdapterMlp]:
+    """Wrap every block's MLP of ``vit`` as :class:`ParallelAdapterMlp` with ``make()`` beside it (an adapter, or a
+    module choosing among several); a block that is not a timm ``Block``, or has a layer scale, is refused."""
     wrapped = []
     for i, block in enumerate(vit.blocks):
         if not all(hasattr(block, name) for name in ("norm2", "mlp", "ls2")):
@@ -84,8 +117,7 @@ def attach_adaptformer(
                 f"Invalid backbone for an AdaptFormer adapter: block {i} has a layer scale, which would scale the "
                 "adapter too. Allowed: a ViT without layer scale (init_values=None)."
             )
-        adapter = AdaptFormer(vit.embed_dim, bottleneck, scale, dropout, device=like.device, dtype=like.dtype)
-        block.mlp = ParallelAdapterMlp(block.norm2, block.mlp, adapter)
+        block.mlp = ParallelAdapterMlp(block.norm2, block.mlp, make())
         block.norm2 = nn.Identity()
         wrapped.append(block.mlp)
     return wrapped

@@ -1,0 +1,112 @@
+"""AdaptFormer adapter sets side by side on one ViT, one set per task, the ViT run through any one of them or none.
+
+A set is one :class:`~clbench.methods.parts.adaptformer.AdaptFormer` per block (EASE's ``cur_adapter`` and
+``adapter_list``, sun-hailong/CVPR24-Ease@6d67508 backbone/vit_ease.py L255-302). Each block's MLP is wrapped once
+(:func:`~clbench.methods.parts.adaptformer.wrap_blocks`) with an :class:`AdapterBank` beside it, which holds that
+block's adapter of every set and runs the selected one; :class:`AdapterSets` is the handle that adds a fresh set to
+every block and selects a set in every block at once. With no set selected the ViT computes exactly the pretrained
+ViT (each wrapper switched off).
+
+The selection is a plain attribute read in the forward: a training phase selects its set once (:meth:`AdapterSets.
+select`), so a compiled or graph-replayed step sees a constant; :meth:`AdapterSets.use` runs a block of code through
+another set and gives the previous selection back (an evaluation in the middle of a phase).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from timm.models.vision_transformer import VisionTransformer
+from torch import nn
+
+from clbench.methods.parts.adaptformer import AdapterConfig, ParallelAdapterMlp, new_adapter, wrap_blocks
+
+
+class AdapterBank(nn.Module):
+    """One block's adapters, one per set (``sets[k]``), and the index of the one its block runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sets = nn.ModuleList()
+        self.index = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.sets[self.index](x)
+
+
+class AdapterSets:
+    """The adapter sets attached to a ViT (held, not owned: the banks are the ViT's modules): ``len()`` sets, set
+    ``k`` made of block ``i``'s ``banks[i].sets[k]``."""
+
+    def __init__(self, vit: VisionTransformer, config: AdapterConfig) -> None:
+        self.vit = vit
+        self.config = config
+        self.wrappers: list[ParallelAdapterMlp] = wrap_blocks(vit, AdapterBank)
+        self.selected: int | None = None
+        self._switch(None)
+
+    @property
+    def banks(self) -> list[AdapterBank]:
+        return [wrapper.adapter for wrapper in self.wrappers]
+
+    def __len__(self) -> int:
+        return len(self.banks[0].sets)
+
+    def add(self) -> int:
+        """A fresh set (W_up = 0: the ViT through it is the pretrained one until it trains) in every block, trainable;
+        returns its index."""
+        c = self.config
+        for bank in self.banks:
+            bank.sets.append(new_adapter(self.vit, c.bottleneck, c.adapter_scale, c.adapter_dropout))
+        return len(self) - 1
+
+    def parameters(self, k: int) -> list[nn.Parameter]:
+        """Set ``k``'s parameters, block by block."""
+        return [p for bank in self.banks for p in bank.sets[k].parameters()]
+
+    def numel(self, k: int) -> int:
+        return sum(p.numel() for p in self.parameters(k))
+
+    def freeze(self, k: int) -> None:
+        for p in self.parameters(k):
+            p.requires_grad_(False)
+
+    def select(self, k: int | None) -> None:
+        """Run the ViT through set ``k`` from now on (None: no set, the pretrained ViT)."""
+        self.selected = k
+        self._switch(k)
+
+    def _switch(self, k: int | None) -> None:
+        for wrapper in self.wrappers:
+            wrapper.active = k is not None
+            wrapper.adapter.index = k or 0
+
+    @contextmanager
+    def use(self, k: int | None) -> Iterator[None]:
+        """Run the ViT through set ``k`` (None: the pretrained ViT) within the block, then the selection before."""
+        self._switch(k)
+        try:
+            yield
+        finally:
+            self._switch(self.selected)
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every set's tensors as ``{prefix + "<k>.<block>.<name>": copy}`` (a run's artifacts)."""
+        return {
+            f"{prefix}{k}.{i}.{name}": value.detach().clone()
+            for i, bank in enumerate(self.banks)
+            for k, adapter in enumerate(bank.sets)
+            for name, value in adapter.state_dict().items()
+        }
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        """Add as many sets as :meth:`state`'s ``tensors`` hold and copy them in; they stay frozen."""
+        sets = {int(key[len(prefix) :].split(".")[0]) for key in tensors if key.startswith(prefix)}
+        while len(self) < len(sets):
+            self.freeze(self.add())
+        for i, bank in enumerate(self.banks):
+            for k, adapter in enumerate(bank.sets):
+                adapter.load_state_dict({n: tensors[f"{prefix}{k}.{i}.{n}"] for n in adapter.state_dict()})
