@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import pytest
@@ -211,13 +212,19 @@ def test_in_process_entries_are_measured_one_after_another_in_this_process(tmp_p
 
 
 def test_the_windows_command_stops_a_part_at_its_share_and_keeps_what_it_wrote(tmp_path) -> None:
-    """A part past its seconds gets SIGINT (pytest then writes the XML of what ran), and the window goes on."""
+    """A part past its seconds gets SIGINT (pytest then writes the XML of what ran), and the window goes on; also when
+    the window itself was started ignoring SIGINT (a shell's background job), which a part would otherwise inherit."""
     from clbench.bench.window import run_until
 
-    script = "import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('wound down')\n"
-    run = run_until([sys.executable, "-c", script], 2.0, tmp_path / "part.log")
-    assert run["stopped"] and run["returncode"] == 0 and run["wall_s"] < 30
-    assert (tmp_path / "part.log").read_text().strip() == "wound down"
+    script = "try:\n    import time\n    time.sleep(60)\nexcept KeyboardInterrupt:\n    print('wound down')\n"
+    for name, disposition in (("default", signal.default_int_handler), ("ignored", signal.SIG_IGN)):
+        previous = signal.signal(signal.SIGINT, disposition)
+        try:
+            run = run_until([sys.executable, "-c", script], 2.0, tmp_path / f"{name}.log")
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        assert run["stopped"] and run["returncode"] == 0 and run["wall_s"] < 30, name
+        assert (tmp_path / f"{name}.log").read_text().strip() == "wound down", name
 
 
 def test_the_smoke_report_counts_passes_failures_and_skips(tmp_path) -> None:

@@ -70,12 +70,28 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def interruptible() -> None:
+    """In a part's process before it starts: SIGINT back to its default action (Python's KeyboardInterrupt), let
+    through."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def run_until(command: list[str], seconds: float, log: Path) -> dict[str, Any]:
     """Run ``command`` from the repository root, its output into ``log``; past ``seconds``, interrupt it (SIGINT: it
-    winds down and writes what it has), then kill it. Its return code, wall time and whether it was stopped."""
+    winds down and writes what it has), then kill it. Its return code, wall time and whether it was stopped. The part
+    starts with SIGINT's default action and unblocked, whatever this process inherited (a shell's background job
+    ignores SIGINT, and a child would inherit that and never wind down)."""
     start = time.perf_counter()
     with log.open("w") as out:
-        proc = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy())
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=os.environ.copy(),
+            preexec_fn=interruptible,  # noqa: PLW1509 (the window runs no threads of its own)
+        )
         stopped = False
         try:
             proc.wait(timeout=max(seconds, 1.0))
