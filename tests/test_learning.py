@@ -60,6 +60,12 @@ def check_forgetting(method: str, forgetting: float) -> None:
 # InfLoRA's 20 epochs take 11 s each: theirs too (test_sdlora.py, test_inflora.py and test_resume.py train them in the
 # default suite).
 LONG_FIRST_TASK = {"hat", "sdlora", "inflora"}
+# Each of these takes 10 to 25 s alone (two to three times that beside the suite's other worker), together about three
+# minutes of the default suite's fifteen: their first task runs in make test-all beside the 3-task acceptance runs.
+# The default suite keeps their rules (test_masks, test_lockstep, test_survey, test_prompt_family, each PTM method's
+# own file) and their end-to-end runs (test_resume's and test_faults' crash-and-resume runs, test_honest_evaluation).
+LONG_FIRST_TASK |= {"piggyback", "supsup", "packnet", "coda_prompt", "apd", "ctr", "ksm"}
+LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min"}
 
 
 @pytest.mark.parametrize(
