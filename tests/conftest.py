@@ -167,6 +167,20 @@ def tiny_config(*overrides: str) -> RunConfig:
     return validate(compose_config(*TINY, *tiny_fit(*overrides), *overrides))
 
 
+def trained_task_by_task(cfg: RunConfig) -> tuple:
+    """The run's method (in eval mode) and runtime after every task trained as the loop runs it: ``before_task``, the
+    task's phases (``run_task``), ``after_task``."""
+    from clbench.loop.runtime import build_runtime
+    from clbench.loop.task import run_task
+
+    method, rt = build_runtime(cfg)
+    for task in rt.benchmark.tasks:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=cfg.trainer.epochs)
+        method.after_task(task)
+    return method.eval(), rt
+
+
 @pytest.fixture(autouse=True)
 def _isolated_wandb(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

@@ -14,18 +14,13 @@ from clbench.loop.runtime import build_runtime
 from clbench.loop.step import train_step
 from clbench.loop.task import run_task
 from clbench.methods.first_session import vit_features
-from conftest import tiny_config
+from conftest import tiny_config, trained_task_by_task
 from oracles import aper_reference as ref
 
 
 def run_tasks(*overrides: str) -> tuple:
     cfg = tiny_config("method=aper", "method.bottleneck=8", *overrides)
-    method, rt = build_runtime(cfg)
-    for task in rt.benchmark.tasks:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=cfg.trainer.epochs)
-        method.after_task(task)
-    return method.eval(), rt
+    return trained_task_by_task(cfg)
 
 
 def test_the_classifier_is_the_officials_prototypes_of_both_branches_concatenated() -> None:

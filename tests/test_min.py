@@ -23,7 +23,7 @@ from clbench.loop.task import observe_pass, run_task
 from clbench.methods.first_session import vit_features
 from clbench.methods.parts.pinoise import NoiseLayers, PiNoise, uniform_fan_in
 from clbench.methods.parts.ridge import PassStatistics, RidgeStatistics, relu_features
-from conftest import tiny_config
+from conftest import tiny_config, trained_task_by_task
 from oracles import min_reference as ref
 
 F64 = torch.float64
@@ -164,12 +164,7 @@ def test_omega_by_the_codes_rule_and_by_the_papers() -> None:
 def run_tasks(*overrides: str) -> tuple:
     """A tiny MIN run, task by task as the loop runs it."""
     cfg = tiny_config(*SMALL, *overrides)
-    method, rt = build_runtime(cfg)
-    for task in rt.benchmark.tasks:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=cfg.trainer.epochs)
-        method.after_task(task)
-    return method.eval(), rt
+    return trained_task_by_task(cfg)
 
 
 def test_the_phases_come_in_the_codes_order_and_in_the_papers() -> None:

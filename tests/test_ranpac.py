@@ -25,7 +25,7 @@ from clbench.methods.parts.ridge import (
     ridge_solve,
     select_ridge,
 )
-from conftest import tiny_config
+from conftest import tiny_config, trained_task_by_task
 from oracles import ranpac_reference as ref
 
 F64 = torch.float64
@@ -128,12 +128,7 @@ def test_the_projection_is_drawn_from_its_seed_alone_and_computed_in_fp32() -> N
 def run_tasks(*overrides: str) -> tuple:
     """A tiny RanPAC run, task by task as the loop runs it (the first session, the observe passes, after_task)."""
     cfg = tiny_config("method=ranpac", "method.M=40", "trainer.epochs=1", *overrides)
-    method, rt = build_runtime(cfg)
-    for task in rt.benchmark.tasks:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=cfg.trainer.epochs)
-        method.after_task(task)
-    return method, rt
+    return trained_task_by_task(cfg)
 
 
 def test_the_head_is_the_officials_replace_fc_task_after_task() -> None:

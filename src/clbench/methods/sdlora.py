@@ -41,7 +41,7 @@ from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
-from clbench.methods.base import Logs, Method
+from clbench.methods.base import Logs, Method, Phase
 from clbench.methods.parts import lora
 
 
@@ -96,7 +96,7 @@ class SDLoRA(Method):
                 self.alpha.bank[finished] = self.alpha.current
             self.alpha.current.fill_(self.config.alpha_init)
 
-    def param_groups(self, task: Task, phase: Any) -> list[dict[str, Any]]:
+    def param_groups(self, task: Task, phase: Phase) -> list[dict[str, Any]]:
         """The current A and B of every block, every magnitude, the task's head (one group, as the code's SGD)."""
         return [{"params": [*self.lora.current(), *self.alpha.parameters(), *self.heads[task.id].parameters()]}]
 
