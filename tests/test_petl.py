@@ -15,7 +15,7 @@ from clbench.errors import ConfigError
 from clbench.methods.first_session import vit_features
 from clbench.methods.parts import petl
 from clbench.methods.parts.adaptformer import AdaptFormer, attach_adaptformer
-from clbench.methods.parts.bottleneck import Bottleneck
+from clbench.methods.parts.bottleneck import Bottleneck, dropout_mask
 from clbench.methods.parts.ssf import attach_ssf
 from clbench.methods.parts.vpt import attach_vpt
 from conftest import attention_ops
@@ -102,6 +102,30 @@ def test_adapter_initialisation_and_dropout_follow_the_code() -> None:
     assert not torch.equal(adapter(x), adapter(x))
     manual = 0.1 * (torch.relu(x @ adapter.down.weight.T + adapter.down.bias) @ adapter.up.weight.T + adapter.up.bias)
     torch.testing.assert_close(adapter.eval()(x), manual)
+
+
+def test_dropout_is_drawn_for_the_whole_batch_and_each_rank_keeps_its_rows() -> None:
+    """Two ranks seeded alike, each with its share of a batch of 5 (rows 0-2, 3-4), train through the masks one
+    process draws for the batch: the shares' outputs are the rows of the whole batch's. Inverted dropout: a kept unit
+    is scaled by 1 / (1 - p), about 1 - p of them are kept."""
+    torch.manual_seed(0)
+    adapter = AdaptFormer(16, 64, 1.0, 0.5).train()
+    torch.nn.init.normal_(adapter.up.weight)
+    x = torch.randn(5, 3, 16)
+    torch.manual_seed(1)
+    whole = adapter(x)
+    shares = []
+    for part in (slice(0, 3), slice(3, 5)):
+        adapter.share = (5, part)
+        torch.manual_seed(1)
+        shares.append(adapter(x[part]))
+    torch.testing.assert_close(torch.cat(shares), whole)
+    adapter.share = (5, slice(0, 3))  # another batch than the share (a method's extra forward): drawn for itself
+    torch.manual_seed(1)
+    assert adapter(x[:2]).shape == (2, 3, 16)
+    mask = dropout_mask(torch.ones(1000, 64), 0.25, None)
+    assert mask.unique().tolist() == [0.0, torch.tensor(1 / 0.75).item()]
+    assert abs((mask > 0).float().mean().item() - 0.75) < 0.01
 
 
 def test_houlsbys_adapter_and_adaptformer_share_the_bottleneck() -> None:

@@ -1,12 +1,12 @@
 """One run over several processes started by ``torchrun`` (PyTorch DistributedDataParallel).
 
-``torchrun --nproc_per_node=N -m clbench ...`` starts N ranks. Every rank builds the same method and benchmark
-from the same seed and draws the same random numbers (epoch order, augmentation parameters, MEAT's Gumbel noise),
-so the ranks stay in lockstep. Each takes its contiguous share of every global batch (``trainer.batch_size`` is the
-global batch); DDP averages the gradients during backward, so one step equals a single-process step on the whole
-batch up to floating-point summation order. Evaluation is sharded the same way and its counts summed over ranks.
-Only rank 0 writes the run folder, checkpoints and W&B. Backend: NCCL on CUDA (one GPU per rank, ``LOCAL_RANK``),
-gloo on CPU.
+``torchrun --nproc_per_node=N -m clbench ...`` starts N ranks. Every rank builds the same method and benchmark from
+the same seed and draws the same random numbers (epoch order, augmentation parameters, MEAT's Gumbel noise, adapter
+dropout), so the ranks stay in lockstep. Each takes its contiguous share of every global batch
+(``trainer.batch_size`` is the global batch); DDP averages the gradients during backward, so one step equals a
+single-process step on the whole batch up to floating-point summation order. Evaluation is sharded the same way and
+its counts summed over ranks. Only rank 0 writes the run folder, checkpoints and W&B. Backend: NCCL on CUDA (one GPU
+per rank, ``LOCAL_RANK``), gloo on CPU.
 """
 
 from __future__ import annotations

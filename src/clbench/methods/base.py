@@ -32,6 +32,7 @@ from torch import nn
 from clbench.config import STEP_SAMPLERS, RunConfig
 from clbench.data import Benchmark, Split, Task
 from clbench.memory import Memory
+from clbench.methods.parts.bottleneck import Bottleneck
 
 Logs = dict[str, torch.Tensor]
 
@@ -128,14 +129,26 @@ class Method(nn.Module):
         self.config = config
         self.tasks = benchmark.tasks
         self.heads = nn.ModuleList()
-        # (size of the whole batch, this rank's part of it), set by the loop before each training step: random
-        # draws per sample (MEAT's token masks) are made for the whole batch, so every rank of a multi-process run
-        # consumes random numbers as one process does and takes its own rows.
-        self.batch_share: tuple[int, slice] | None = None
+        self.batch_share = None
         self.memory: Memory | None = None  # set by the loop when the run has a memory budget
         # DER++: the logits of the step's current rows, which the loop stores with them after the step.
         self.stored_logits: torch.Tensor | None = None
         self.untrained_heads: dict[int, nn.Linear] = {}  # :meth:`untrained_logits`' heads (not trained, not saved)
+
+    @property
+    def batch_share(self) -> tuple[int, slice] | None:
+        """(size of the whole batch, this rank's part of it), set by the loop before each training step: random
+        draws per sample (MEAT's token masks, an adapter's dropout) are made for the whole batch, so every rank of a
+        multi-process run consumes random numbers as one process does and takes its own rows."""
+        return self._batch_share
+
+    @batch_share.setter
+    def batch_share(self, share: tuple[int, slice] | None) -> None:
+        """Also hands ``share`` to every dropout bottleneck of the method and its backbone."""
+        self._batch_share = share
+        for module in self.modules():
+            if isinstance(module, Bottleneck) and module.dropout:
+                module.share = share
 
     @classmethod
     def check_run(cls, cfg: RunConfig) -> None:
