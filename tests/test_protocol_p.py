@@ -54,6 +54,7 @@ PACK = {
     "imagenet_r_p_b0inc5": 200,
     "imagenet_r_p_b0inc10": 200,
     "imagenet_r_p_b0inc20": 200,
+    "imagenet_r_p_b0inc40": 200,
     "imagenet_a_p_b0inc10": 200,
     "imagenet_a_p_b0inc20": 200,
     "cub_p_b0inc10": 200,

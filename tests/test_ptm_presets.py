@@ -25,6 +25,7 @@ PROTOCOL_P = {  # the pack's data configs, by their fixed names
     "imagenet_r_p_b0inc5",
     "imagenet_r_p_b0inc10",
     "imagenet_r_p_b0inc20",
+    "imagenet_r_p_b0inc40",
     "imagenet_a_p_b0inc10",
     "imagenet_a_p_b0inc20",
     "cub_p_b0inc10",
