@@ -322,9 +322,13 @@ def test_parallel_jobs_split_the_cores() -> None:
 METHODS = ALL_METHODS
 
 
-# SD-LoRA's, InfLoRA's and MIN's crashes at chosen points run in the default suite (tests/test_resume.py), EASE's
-# checkpoint replay mid-task (tests/test_ease.py); their drawn points in make test-all (the default suite's budget)
-@pytest.mark.parametrize("method", baselines_slow(METHODS, also=("sdlora", "inflora", "min", "ease")))
+# A method whose crash at chosen points runs in the default suite (tests/test_resume.py: finetune is kept here as the
+# drawn point's own check), or whose checkpoint replay mid-task does (EASE's, tests/test_ease.py), has its drawn point
+# in make test-all (the default suite's budget)
+CHOSEN_POINTS = ("simplecil", "packnet", "hat", "meat", "l2p", "supsup", "aper", "ranpac", "sdlora", "inflora", "min")
+
+
+@pytest.mark.parametrize("method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, "ease")))
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

@@ -66,6 +66,9 @@ LONG_FIRST_TASK = {"hat", "sdlora", "inflora"}
 # own file) and their end-to-end runs (test_resume's and test_faults' crash-and-resume runs, test_honest_evaluation).
 LONG_FIRST_TASK |= {"piggyback", "supsup", "packnet", "coda_prompt", "apd", "ctr", "ksm"}
 LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min"}
+# MEAT's first task (about 50 s beside the other worker: its default recipe's token and weight masks), Joint's and
+# TFM's (12-14 s): their learning in make test-all, their rules and crash-and-resume runs in the default suite
+LONG_FIRST_TASK |= {"meat", "joint", "tfm"}
 
 
 @pytest.mark.parametrize(

@@ -40,7 +40,7 @@ def matrices(results_json: Path) -> dict:
         ("l2p", ("step", 14)),
         ("supsup", ("step", 7)),
         ("aper", ("step", 4)),  # its first session, after the first epoch's checkpoint
-        ("ranpac", ("step", 4)),
+        pytest.param("ranpac", ("step", 4), marks=pytest.mark.slow),  # APER's first session above in the default suite
         ("ranpac", ("evaluate", 6)),  # after task 0: the ridge statistics come back from the checkpoint
         ("min", ("step", 11)),  # in task 1's noise phase: its fit passes' statistics, its generator, W_aux, omega
         pytest.param("min", ("evaluate", 6), marks=pytest.mark.slow),  # the mid-task case above in the default suite
