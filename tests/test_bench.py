@@ -44,9 +44,17 @@ def test_the_cuda_path_runs_on_cpu_up_to_the_device_calls() -> None:
     assert entry["mfu"] == pytest.approx(entry["gflops_per_step"] * 1e9 / (entry["step_ms"] / 1000) / 1e12, rel=0.05)
 
 
-def test_unknown_entries_are_refused() -> None:
+@pytest.mark.parametrize("name", ["magic", "magic_cil/T=2", "ease_cil/T=0", "ease_cil/T=x"])
+def test_unknown_entries_are_refused(name: str) -> None:
     with pytest.raises(SystemExit):
-        parse(["--methods", "magic"])
+        parse(["--methods", name])
+
+
+def test_any_methods_class_incremental_prediction_is_an_entry() -> None:
+    """``<method>_cil/T=<k>``: the method's CIL prediction of one batch after k tasks, in the contract's shape."""
+    assert parse(["--methods", "ease_cil/T=3"]).methods == ["ease_cil/T=3"]
+    entry = measure(parse(TINY), "ease_cil/T=3")
+    assert set(entry) >= KEYS and entry["name"] == "ease_cil/T=3" and entry["step_ms"] > 0
 
 
 def test_target_ratios_follow_their_definitions() -> None:

@@ -40,6 +40,7 @@ from clbench.bench.models import (
     PROMPTS,
     REFERENCES,
     SURVEY,
+    inference_entry,
     inference_step,
     method_step,
     reference_step,
@@ -56,7 +57,7 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
     if name in bench_data.ENTRIES:
         build = bench_data.build
     else:
-        build = reference_step if name in REFERENCES else inference_step if name in INFERENCE else method_step
+        build = reference_step if name in REFERENCES else inference_step if inference_entry(name) else method_step
     entry = build(args, name)
     device, data = entry.device, entry.data
     if name in bench_data.MEMORY:
@@ -207,7 +208,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.add_argument(f"--{flag}", choices=("auto", "true", "false"), default="auto", help=f"trainer.{key}")
     # timm under torch.compile is the ceiling where methods compile (CUDA); on the CPU it is there on request
     references = REFERENCES if cuda else tuple(r for r in REFERENCES if r != "reference/timm_compiled")
-    also = ", ".join((*INFERENCE, *bench_data.MEMORY, *(r for r in REFERENCES if r not in references)))
+    also = ", ".join(
+        (*INFERENCE, "any <method>_cil/T=<k>", *bench_data.MEMORY, *(r for r in REFERENCES if r not in references))
+    )
     default = [*METHODS, *references, *bench_data.DATA]
     parser.add_argument("--methods", nargs="+", default=default, help=f"entries (also {also})")
     parser.add_argument(
@@ -246,9 +249,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     )
     args = parser.parse_args(argv)
     known = [*METHODS, *REFERENCES, *INFERENCE, *bench_data.DATA, *bench_data.MEMORY]
-    unknown = set(args.methods) - set(known)
+    unknown = {name for name in args.methods if name not in known and inference_entry(name) is None}
     if unknown:
-        parser.error(f"unknown entries {sorted(unknown)}; choose from {known}")
+        parser.error(f"unknown entries {sorted(unknown)}; choose from {known} or <method>_cil/T=<tasks>")
     try:  # before measuring anything: a report that cannot be written is refused at once
         if args.out.is_dir():
             raise ConfigError(f"--out {args.out} is a folder; name the file to write, e.g. {args.out / 'bench.json'}")

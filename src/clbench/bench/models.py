@@ -8,13 +8,15 @@ plain timm references on the same device, precision and input size.
 - ``reference/timm_compiled``: the same under ``torch.compile`` (the ceiling a compiled step is held to);
 - ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay);
 - ``reference/timm_inference``: one inference-mode forward (L2P's query pass; its target is frozen + inference);
-- ``supsup_cil/T=k``: SupSup's class-incremental prediction of one batch after k tasks (one-shot task inference
-  through the superposed masks, then the inferred tasks' passes); its peak memory must not grow with k.
+- ``<method>_cil/T=k``: a method's class-incremental prediction of one batch after k tasks, e.g. SupSup's (one-shot
+  task inference through the superposed masks, then the inferred tasks' passes; its peak memory must not grow with
+  k) or a pretrained-model method's that runs the ViT once per task (EASE, MOS, TUNA), against ``finetune_cil/T=k``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 
@@ -32,7 +34,13 @@ REFERENCES = (
     "reference/timm_frozen",
     "reference/timm_inference",
 )
-INFERENCE = ("supsup_cil/T=2", "supsup_cil/T=5", "supsup_cil/T=10")
+INFERENCE = ("supsup_cil/T=2", "supsup_cil/T=5", "supsup_cil/T=10")  # examples; any ``<method>_cil/T=<k>`` runs
+
+
+def inference_entry(name: str) -> tuple[str, int] | None:
+    """``<method>_cil/T=<k>`` as (method, k); None for another name."""
+    match = re.fullmatch(r"(\w+)_cil/T=([1-9]\d*)", name)
+    return (match[1], int(match[2])) if match and match[1] in METHODS else None
 
 
 def overrides(args: argparse.Namespace, method: str, tasks: int = 1) -> list[str]:
@@ -112,12 +120,14 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
 
 
 def inference_step(args: argparse.Namespace, name: str) -> Entry:
-    """SupSup's class-incremental prediction of one batch after T tasks (masks as drawn at their start)."""
+    """A method's class-incremental prediction of one batch after T tasks (``<method>_cil/T=<k>``), each task taken
+    through its lifecycle without training (SupSup's masks as drawn at their start)."""
     from clbench.loop.resume import finish_untrained
     from clbench.loop.runtime import build_runtime
 
-    tasks = int(name.rsplit("=", 1)[1])
-    method, rt = build_runtime(compose(overrides(args, "supsup", tasks)))
+    entry = inference_entry(name)
+    assert entry is not None  # the command line's names are checked
+    method, rt = build_runtime(compose(overrides(args, *entry)))
     for task in rt.benchmark.tasks:
         method.before_task(task)
         finish_untrained(method, task)
