@@ -65,7 +65,7 @@ LONG_FIRST_TASK = {"hat", "sdlora", "inflora"}
 # The default suite keeps their rules (test_masks, test_lockstep, test_survey, test_prompt_family, each PTM method's
 # own file) and their end-to-end runs (test_resume's and test_faults' crash-and-resume runs, test_honest_evaluation).
 LONG_FIRST_TASK |= {"piggyback", "supsup", "packnet", "coda_prompt", "apd", "ctr", "ksm"}
-LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min"}
+LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min", "mos"}
 
 
 @pytest.mark.parametrize(

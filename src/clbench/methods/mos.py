@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_nn
 import torch.nn.functional as F
 from timm.models.vision_transformer import VisionTransformer
 from torch import nn
@@ -247,6 +249,23 @@ class MOS(Method):
         similarity = rows @ rows.T / self.config.proto_temperature
         return F.cross_entropy(similarity, torch.arange(len(rows), device=rows.device))
 
+    def whole_batch(self, feats: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """A multi-process run's features of the whole batch (every rank's share, in order; the gradient flows back to
+        each rank's own rows) and the factor that undoes the loop's weighting of this rank's loss: L_proto couples
+        the rows of a batch, so each rank computes it on the whole batch and the averaged gradients are one
+        process's (but for a last batch smaller than the world, whose empty rank's loss weighs 0). A single process:
+        ``feats`` and 1."""
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return feats, 1.0
+        size = self.batch_share[0] if self.batch_share else len(feats)
+        world = dist.get_world_size()
+        per = -(-size // world)
+        shares = [max(0, min((r + 1) * per, size) - min(r * per, size)) for r in range(world)]
+        padded = F.pad(feats, (0, 0, 0, per - len(feats)))
+        parts = dist_nn.all_gather(padded)
+        mine = shares[dist.get_rank()]
+        return torch.cat([p[:n] for p, n in zip(parts, shares, strict=True)]), (size / (mine * world) if mine else 0.0)
+
     def training_loss(self, x: torch.Tensor, y: torch.Tensor, task: Task) -> tuple[torch.Tensor, Logs]:
         """Train: CE of head t over the task's classes + ``reg`` L_proto. Align: ``x`` are drawn features; CE over
         every seen class of the heads' logits."""
@@ -255,9 +274,11 @@ class MOS(Method):
             with torch.autocast(x.device.type, enabled=False):
                 return self.aligner.loss(self.head_scores(x.float()), y, sizes), {}
         feats = vit_features(self.backbone, x)
+        whole, unweight = self.whole_batch(feats)
         with torch.autocast(x.device.type, enabled=False):
-            proto = self.proto_loss(feats, task)
-        return self.task_loss(self.heads[task.id](feats), y, task) + self.config.reg * proto, {"proto": proto.detach()}
+            proto = self.proto_loss(whole, task)
+        loss = self.task_loss(self.heads[task.id](feats), y, task) + self.config.reg * unweight * proto
+        return loss, {"proto": proto.detach()}
 
     def after_step(self, task: Task) -> None:
         """``adapter_merge``: set t one pull toward the mean of the finished sets (t >= 1)."""
