@@ -134,10 +134,6 @@ class MOS(Method):
         evaluated before it."""
         return ["method.merge_mode"] if config.merge_mode == "official" else []
 
-    @classmethod
-    def scores_unseen_classes(cls) -> bool:
-        return False
-
     @staticmethod
     def unused_keys(config: MOSConfig) -> dict[str, str]:
         if config.alignment.epochs:
