@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from clbench.checkpoint import Cursor, Position
 from clbench.evaluation import SCENARIOS, scenario_logits
 from clbench.loop import train
+from clbench.loop.resume import replay
 from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.base import Phase
@@ -331,3 +333,27 @@ def test_official_predictions_depend_on_the_evaluations_before_them() -> None:
     first = scenario_logits(method, x, 1, SCENARIOS, "seen")["til"]
     again = scenario_logits(method, x, 1, SCENARIOS, "seen")["til"]
     assert not torch.allclose(first, again)
+
+
+def test_a_checkpoint_in_the_alignment_brings_back_every_tensor_and_the_predictions() -> None:
+    """A resume's replay to task 1's alignment (official mode: ``cur_adapter`` carried as set 2), then the checkpoint's
+    tensors: the same state, and after ``after_task`` the same prototypes and predictions (the replay's empty
+    statistics are settled before the checkpoint's values replace them, never after)."""
+    overrides = ("method.merge_mode=official", "method.alignment.epochs=1", "method.alignment.samples_per_class=8")
+    method, rt = build(*overrides, "method.alignment.batch_size=8")
+    tasks = rt.benchmark.tasks
+    for task in tasks[:2]:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=1)
+        if task.id == 0:
+            method.after_task(task)
+    state = method.state_dict()
+    fresh, _ = build(*overrides, "method.alignment.batch_size=8", "seed=5")
+    replay(fresh, tasks, Position(task=1, step=0, cursor=Cursor(phase=2)), epochs=1)
+    fresh.load_state_dict(state)
+    for m in (method, fresh):
+        m.after_task(tasks[1])
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, method.state_dict()[key]), key
+    probe = rt.test_tf(torch.cat([split.x[:4] for split in rt.benchmark.test]))
+    assert torch.equal(fresh.eval().predict(probe, None), method.eval().predict(probe, None))

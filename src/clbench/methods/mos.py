@@ -190,7 +190,7 @@ class MOS(Method):
         elif phase.name == "statistics":
             self.finish_set(task)
         elif phase.name == "align":
-            self.aligner.settle()
+            self.settle(task)
 
     def finish_set(self, task: Task) -> None:
         """``adapter_update``: set t frozen and its prefix sum taken; ``official``: ``cur_adapter`` goes on as set
@@ -209,13 +209,19 @@ class MOS(Method):
         self.proto_counts = torch.zeros(task.num_classes, dtype=torch.float64, device=device)
 
     @torch.no_grad()
-    def after_task(self, task: Task) -> None:
-        """The new classes' Gaussians and prototypes; ``official``: the last task's ``cur_adapter`` dropped."""
+    def settle(self, task: Task) -> None:
+        """The statistics pass's sums -> the new classes' Gaussians and prototypes (once, before the alignment or at
+        the task's end; a resume's replay settles its zeros before the checkpoint's values replace them)."""
         self.aligner.settle()
         if self.proto_sums is not None and self.proto_counts is not None:
             means = self.proto_sums / self.proto_counts.clamp(min=1)[:, None]
             self.prototypes[task.id].weight.copy_(means)
             self.proto_sums = self.proto_counts = None
+
+    def after_task(self, task: Task) -> None:
+        """The new classes' Gaussians and prototypes (where no alignment settled them); ``official``: the last task's
+        ``cur_adapter`` dropped."""
+        self.settle(task)
         if self.official and task.id == len(self.tasks) - 1 and len(self.sets) > len(self.tasks):
             self.sets.pop()
         self.sets.select(None)
