@@ -136,10 +136,13 @@ class MOS(Method):
 
     @staticmethod
     def unused_keys(config: MOSConfig) -> dict[str, str]:
-        if config.alignment.epochs:
-            return {}
-        keys = [k for k in vars(config.alignment) if k != "epochs"]
-        return {f"method.alignment.{k}": "method.alignment.epochs=0" for k in keys}
+        out = {} if config.adapter_momentum else {"method.merge_mode": "method.adapter_momentum=0 (no merge)"}
+        if not config.reg:
+            out["method.proto_temperature"] = "method.reg=0 (no L_proto)"
+        if not config.alignment.epochs:
+            keys = [k for k in vars(config.alignment) if k != "epochs"]
+            out |= {f"method.alignment.{k}": "method.alignment.epochs=0" for k in keys}
+        return out
 
     # ----------------------------------------------------------------------------- the merge map
     def target(self, k: int) -> list[torch.Tensor] | None:
