@@ -50,6 +50,7 @@ OTHER_PATHS: dict[str, list[tuple[str, ...]]] = {
     "supsup": [("method.inference=binary",), ("method.inference=lowest_entropy",)],  # its other CIL task inferences
     # the other parameter-efficient modules of the shared parts (RanPAC attaches the same ones)
     "aper": [(f"method.petl={petl}",) for petl in ("ssf", "vpt_deep", "vpt_shallow", "finetune")],
+    "mos": [("method.proto_branch=ptm", "method.ensemble=false")],  # the bare ViT's prototypes, the refined logits
 }
 CASES = [(f"method={m}",) for m in METHODS] + [(f"method={m}", *o) for m, paths in OTHER_PATHS.items() for o in paths]
 TRAINED_TASKS = 2  # of TINY's 3: the third stays untrained (its images join the batches; cil_classes=all scores it)

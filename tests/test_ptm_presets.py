@@ -1,9 +1,9 @@
-"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC, MIN, SD-LoRA, InfLoRA and EASE (both
+"""The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC, MIN, SD-LoRA, InfLoRA, EASE and MOS (both
 backbones), and the tables of their published numbers (``clbench-report --table aper`` / ``ranpac`` / ``min`` /
-``sdlora`` / ``inflora`` / ``ease``): every row's preset exists, a glob sweeps exactly the table's presets, each preset
-names a Protocol-P data config, and its method and recipe build and take the first training step (on the embedded
-micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each preset, benchmark and
-backbone included, to its official code's values)."""
+``sdlora`` / ``inflora`` / ``ease`` / ``mos``): every row's preset exists, a glob sweeps exactly the table's presets,
+each preset names a Protocol-P data config, and its method and recipe build and take the first training step (on the
+embedded micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each preset,
+benchmark and backbone included, to its official code's values)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ PROTOCOL_P = {  # the pack's data configs, by their fixed names
     "omnibench_p_b0inc30",
     "vtab_p_b0inc10",
 }
-TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*", "min": "min_*", "ease": "ease_*"}
+TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*", "min": "min_*", "ease": "ease_*", "mos": "mos_*"}
 # In place of the benchmark and ViT-B/16: the embedded micro ViT (its shipped weights) on tiny synthetic tasks.
 TINY_STAND_INS = (
     "data=synthetic_tiny",
@@ -65,10 +65,24 @@ def test_every_row_has_its_preset_and_the_glob_sweeps_exactly_the_table() -> Non
         (override,) = parser.parse_overrides([f"experiment=glob({pattern})"])
         assert sorted(override.sweep_string_iterator()) == sorted(rows), table
     assert len(presets("aper")) == 6 * 7 and len(presets("ranpac")) == 6 and len(presets("min")) == 2 * 4
-    assert len(presets("ease")) == 2 * 7
+    assert len(presets("ease")) == 2 * 7 and len(presets("mos")) == 2 * 7
 
 
-@pytest.mark.parametrize("preset", [*presets("aper"), *presets("ranpac"), *presets("min"), *presets("ease")])
+# MOS's presets differ in their recipe's values only, but for ImageNet-A's variance: that one in the default suite,
+# the others in make test-all (the default suite's budget; tests/test_preset_departures.py holds every value).
+MOS_DEFAULT = "mos_imagenet_a_p_b0inc20_in21k"
+
+
+@pytest.mark.parametrize(
+    "preset",
+    [
+        *presets("aper"),
+        *presets("ranpac"),
+        *presets("min"),
+        *presets("ease"),
+        *(p if p == MOS_DEFAULT else pytest.param(p, marks=pytest.mark.slow) for p in presets("mos")),
+    ],
+)
 def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recipe(preset: str) -> None:
     full = compose_config(f"experiment={preset}")
     assert full.data.name in PROTOCOL_P  # set by the preset or the one it extends
@@ -81,6 +95,9 @@ def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recip
         return  # it has no training step
     if preset.startswith("ease"):  # the OmniBenchmark configs run the code's moni_adam (APER mode), the others EASE
         assert cfg.method.aper_mode == ("omnibench" in preset)
+    if preset.startswith("mos"):  # the variance for ImageNet-A (ca_storage_efficient_method), 5 x batch samples
+        assert cfg.method.alignment.covariance == ("diagonal" if "imagenet_a" in preset else "full")
+        assert cfg.method.alignment.samples_per_class == cfg.method.alignment.batch_size == 5 * cfg.trainer.batch_size
     adam = preset == "ease_objectnet_p_b0inc10_in1k"  # exps/ease_obj.json: optimizer adam
     assert cfg.trainer.optimizer == ("adam" if adam else "sgd") and cfg.trainer.min_lr == 0.0
     assert adam or cfg.trainer.momentum == 0.9

@@ -56,6 +56,11 @@ def matrices(results_json: Path) -> dict:
         # default suite its checkpoint replay mid-task (tests/test_ease.py)
         pytest.param("ease", ("step", 10), marks=pytest.mark.slow),
         pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),
+        # MOS (steps: 6 a task, then 120 and 180 alignment steps): mid task 1's training (set 1 continued from set 0,
+        # the prefix sum, the class means L_proto reads), and in official mode mid task 1's alignment (the drifting
+        # cur_adapter, set 2, carried); the artifacts' round trip in the default suite (tests/test_mos.py)
+        pytest.param("mos", ("step", 10), marks=pytest.mark.slow),
+        pytest.param("mos-official", ("step", 70), marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
@@ -66,6 +71,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
         "packnet": ("method.retrain_epochs=1",),
         "sdlora": ("method.alpha_carry=reset",) if variant else (),
         "inflora": ("method.subspace_pass=before",) if variant else (),
+        "mos": ("method.merge_mode=official",) if variant else (),
     }.get(method, ())
     overrides = (f"method={method}", *CHECKPOINTED, *extra)
     train(tiny_config(*overrides), tmp_path / "whole")

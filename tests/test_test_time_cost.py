@@ -36,6 +36,7 @@ def passes(method: Method, x: torch.Tensor, task_id: int | None) -> int:
         ("method=supsup", "method.inference=lowest_entropy"),
         ("method=ease", "method.ptm_block=true"),
         ("method=ease", "method.aper_mode=true"),
+        ("method=mos", "method.proto_branch=ptm"),
     ],
     ids=" ".join,
 )

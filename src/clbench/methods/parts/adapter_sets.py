@@ -5,7 +5,12 @@ A set is one :class:`~clbench.methods.parts.adaptformer.AdaptFormer` per block (
 (:func:`~clbench.methods.parts.adaptformer.wrap_blocks`) with an :class:`AdapterBank` beside it, which holds that
 block's adapter of every set and runs the selected one; :class:`AdapterSets` is the handle that adds a fresh set to
 every block and selects a set in every block at once. With no set selected the ViT computes exactly the pretrained
-ViT (each wrapper switched off).
+ViT (each wrapper switched off). A new set starts fresh or as a copy of an earlier one (an adapter continued from the
+previous task's: MOS's and TUNA's ``cur_adapter``, sun-hailong/AAAI25-MOS@8d5e07c backbone/vit_mos.py L256-263).
+
+:class:`SetSums` keeps prefix sums of finished sets (MOS's ``sum_adapter_param``, vit_mos.py L310-326), and
+:func:`pull` is the merge map that moves a set toward their mean (``reweight_adapter``, L328-346):
+A <- (1 - m) A + m S_{i-1} / i, the mean of sets 0 .. i-1 as they were when each finished.
 
 The selection is a plain attribute read in the forward: a training phase selects its set once (:meth:`AdapterSets.
 select`), so a compiled or graph-replayed step sees a constant; :meth:`AdapterSets.use` runs a block of code through
@@ -45,6 +50,7 @@ class AdapterSets:
         self.config = config
         self.wrappers: list[ParallelAdapterMlp] = wrap_blocks(vit, AdapterBank)
         self.selected: int | None = None
+        self.running: int | None = None
         self._switch(None)
 
     @property
@@ -54,13 +60,30 @@ class AdapterSets:
     def __len__(self) -> int:
         return len(self.banks[0].sets)
 
-    def add(self) -> int:
-        """A fresh set (W_up = 0: the ViT through it is the pretrained one until it trains) in every block, trainable;
-        returns its index."""
-        c = self.config
+    def add(self, like: int | None = None) -> int:
+        """A new set in every block, trainable: fresh (W_up = 0: the ViT through it is the pretrained one until it
+        trains) or, with ``like``, a copy of set ``like``'s current values; returns its index."""
         for bank in self.banks:
-            bank.sets.append(new_adapter(self.vit, c.bottleneck, c.adapter_scale, c.adapter_dropout))
+            adapter = self.fresh()
+            if like is not None:
+                adapter.load_state_dict(bank.sets[like].state_dict())
+            bank.sets.append(adapter)
         return len(self) - 1
+
+    def fresh(self) -> nn.Module:
+        c = self.config
+        return new_adapter(self.vit, c.bottleneck, c.adapter_scale, c.adapter_dropout)
+
+    @torch.no_grad()
+    def reset(self, k: int) -> None:
+        """Fresh values (a new initialisation) into set ``k``."""
+        for bank in self.banks:
+            bank.sets[k].load_state_dict(self.fresh().state_dict())
+
+    def pop(self) -> None:
+        """Remove the newest set."""
+        for bank in self.banks:
+            del bank.sets[len(bank.sets) - 1]
 
     def parameters(self, k: int) -> list[nn.Parameter]:
         """Set ``k``'s parameters, block by block."""
@@ -79,6 +102,7 @@ class AdapterSets:
         self._switch(k)
 
     def _switch(self, k: int | None) -> None:
+        self.running = k  # the set the ViT runs through now (within ``use`` too)
         for wrapper in self.wrappers:
             wrapper.active = k is not None
             wrapper.adapter.index = k or 0
@@ -110,3 +134,53 @@ class AdapterSets:
         for i, bank in enumerate(self.banks):
             for k, adapter in enumerate(bank.sets):
                 adapter.load_state_dict({n: tensors[f"{prefix}{k}.{i}.{n}"] for n in adapter.state_dict()})
+
+
+class SetSums(nn.Module):
+    """Prefix sums of finished adapter sets, one fp32 buffer per tensor of a set (in :meth:`AdapterSets.parameters`
+    order): ``S_i = S_{i-1} + set i`` taken when set i finishes (MOS's ``sum_adapter_param``), so the mean of sets
+    0 .. i-1 is what they were then, whatever happens to them later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums = nn.ModuleList()
+
+    def __len__(self) -> int:
+        return len(self.sums)
+
+    @torch.no_grad()
+    def add(self, sets: AdapterSets, k: int) -> None:
+        """S_{len} = S_{len-1} + set ``k`` (its values now)."""
+        previous = list(self.sums[-1].buffers()) if len(self.sums) else None
+        block = nn.Module()
+        for n, p in enumerate(sets.parameters(k)):
+            total = p.detach().float().clone()
+            block.register_buffer(f"s{n}", total if previous is None else total + previous[n])
+        self.sums.append(block)
+
+    def mean(self, i: int) -> list[torch.Tensor]:
+        """S_{i-1} / i: the mean of the first ``i`` >= 1 finished sets."""
+        return [s / i for s in self.sums[i - 1].buffers()]
+
+    def state(self, prefix: str) -> dict[str, torch.Tensor]:
+        return {
+            f"{prefix}{i}.{name}": b.clone() for i, block in enumerate(self.sums) for name, b in block.named_buffers()
+        }
+
+    @torch.no_grad()
+    def load(self, sets: AdapterSets, tensors: dict[str, torch.Tensor], prefix: str) -> None:
+        """Rebuild :meth:`state`'s sums (as many as ``tensors`` hold) over ``sets``'s layout."""
+        count = len({key[len(prefix) :].split(".")[0] for key in tensors if key.startswith(prefix)})
+        while len(self) < count:
+            self.add(sets, 0)
+        for i, block in enumerate(self.sums):
+            for name, b in block.named_buffers():
+                b.copy_(tensors[f"{prefix}{i}.{name}"])
+
+
+@torch.no_grad()
+def pull(params: list[torch.Tensor], target: list[torch.Tensor], momentum: float) -> None:
+    """The merge map, in place: p <- (1 - m) p + m target for each tensor (on ``.data``, so it may run between a
+    forward and its backward, as the code's assignment to ``.data`` does)."""
+    for p, t in zip(params, target, strict=True):
+        p.data.mul_(1 - momentum).add_(t.to(p.dtype), alpha=momentum)
