@@ -56,6 +56,10 @@ def matrices(results_json: Path) -> dict:
         # default suite its checkpoint replay mid-task (tests/test_ease.py)
         pytest.param("ease", ("step", 10), marks=pytest.mark.slow),
         pytest.param("ease", ("evaluate", 6), marks=pytest.mark.slow),
+        # TUNA: mid task 1 (its set carried on from task 0's, mid-training; the universal adapter not merged yet) and
+        # after task 1 (merged, the heads aligned); in the default suite its checkpoint replay mid-task (test_tuna.py)
+        pytest.param("tuna", ("step", 10), marks=pytest.mark.slow),
+        pytest.param("tuna", ("evaluate", 6), marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
