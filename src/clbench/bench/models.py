@@ -9,7 +9,9 @@ plain timm references on the same device, precision and input size.
 - ``reference/timm_frozen``: a frozen timm ViT, forward and backward to the input (what prompt methods pay);
 - ``reference/timm_inference``: one inference-mode forward (L2P's query pass; its target is frozen + inference);
 - ``supsup_cil/T=k``: SupSup's class-incremental prediction of one batch after k tasks (one-shot task inference
-  through the superposed masks, then the inferred tasks' passes); its peak memory must not grow with k.
+  through the superposed masks, then the inferred tasks' passes); its peak memory must not grow with k;
+- ``finetune_cil/T=k``, ``tuna_cil/T=k``: the same prediction for finetune (one pass) and TUNA (t + 2 passes after
+  task t: a pass per task adapter and the universal one), their evaluation time per image side by side.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ REFERENCES = (
     "reference/timm_frozen",
     "reference/timm_inference",
 )
-INFERENCE = ("supsup_cil/T=2", "supsup_cil/T=5", "supsup_cil/T=10")
+INFERENCE = (
+    "supsup_cil/T=2",
+    "supsup_cil/T=5",
+    "supsup_cil/T=10",
+    "finetune_cil/T=5",
+    "tuna_cil/T=2",
+    "tuna_cil/T=5",
+)
 
 
 def overrides(args: argparse.Namespace, method: str, tasks: int = 1) -> list[str]:
@@ -112,12 +121,13 @@ def method_step(args: argparse.Namespace, name: str, extra: tuple[str, ...] = ()
 
 
 def inference_step(args: argparse.Namespace, name: str) -> Entry:
-    """SupSup's class-incremental prediction of one batch after T tasks (masks as drawn at their start)."""
+    """A method's class-incremental prediction of one batch after T tasks (``<method>_cil/T=<T>``; the tasks walked
+    through their lifecycle untrained: SupSup's masks as drawn at their start, TUNA's adapters as initialised)."""
     from clbench.loop.resume import finish_untrained
     from clbench.loop.runtime import build_runtime
 
     tasks = int(name.rsplit("=", 1)[1])
-    method, rt = build_runtime(compose(overrides(args, "supsup", tasks)))
+    method, rt = build_runtime(compose(overrides(args, name.split("_cil/", maxsplit=1)[0], tasks)))
     for task in rt.benchmark.tasks:
         method.before_task(task)
         finish_untrained(method, task)
