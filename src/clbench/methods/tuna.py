@@ -189,7 +189,7 @@ class TUNA(Method):
         if task.id:
             merge_sets(self.sets, [self.task_set(i) for i in range(task.id + 1)], UNIVERSAL)
 
-    def stored_up_projections(self, task_id: int) -> list[nn.Parameter]:
+    def stored_up_projections(self, task_id: int) -> list[list[nn.Parameter]]:
         """The up-projection weights of the sets of the tasks before ``task_id``, as ``[task][block]``."""
         return [[bank.sets[self.task_set(i)].up.weight for bank in self.sets.banks] for i in range(task_id)]
 
