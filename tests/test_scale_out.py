@@ -84,7 +84,10 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
 # (the same sums in another order). Adam divides a gradient by its own magnitude: it turns that rounding into
 # lr-sized steps (measured: heads 1.5e-3 apart under AdamW, 7e-9 under SGD). The check of the reduction itself runs
 # LwF under SGD; under Adam the runs are as alike as the method's arithmetic lets them be.
-EXACT_UNDER = {"lwf": ("trainer.optimizer=sgd",)}
+# An AdaptFormer adapter's dropout draws its masks on each rank's share of the batch, not on the whole batch as one
+# process does: TUNA's weights then differ by their own size (measured: adapters 2e-3 on 2e-3, heads 1.7); without
+# dropout one process and two ranks agree to 1e-7, the EMR-merged universal adapter and the aligned heads included.
+EXACT_UNDER = {"lwf": ("trainer.optimizer=sgd",), "tuna": ("method.adapter_dropout=0.0",)}
 
 
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all
