@@ -323,12 +323,13 @@ METHODS = ALL_METHODS
 
 
 # A method whose crash at chosen points runs in the default suite (tests/test_resume.py: finetune is kept here as the
-# drawn point's own check), or whose checkpoint replay mid-task (EASE's, tests/test_ease.py) or artifacts (MOS's,
-# tests/test_mos.py) do, has its drawn point in make test-all (the default suite's budget)
+# drawn point's own check), or whose checkpoint replay mid-task (EASE's and TUNA's, tests/test_ease.py,
+# tests/test_tuna.py) or artifacts (MOS's, tests/test_mos.py) do, has its drawn point in make test-all (the default
+# suite's budget)
 CHOSEN_POINTS = ("simplecil", "packnet", "hat", "meat", "l2p", "supsup", "aper", "ranpac", "sdlora", "inflora", "min")
 
 
-@pytest.mark.parametrize("method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, "ease", "mos")))
+@pytest.mark.parametrize("method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, "ease", "mos", "tuna")))
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

@@ -85,8 +85,8 @@ def test_every_row_has_its_preset_and_glob_sweeps_exactly_the_table() -> None:
     from hydra._internal.utils import create_config_search_path
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    # aper, ranpac, slca, sdlora, inflora, min, ease and mos (the Protocol-P tables): tests/test_ptm_presets.py
-    known = ["aper", "ease", "inflora", "l2p_table1", "meat_table1", "min", "mos", "ranpac", "sdlora", "slca"]
+    # aper, ranpac, slca, sdlora, inflora, min, ease, mos and tuna (the Protocol-P tables): tests/test_ptm_presets.py
+    known = ["aper", "ease", "inflora", "l2p_table1", "meat_table1", "min", "mos", "ranpac", "sdlora", "slca", "tuna"]
     assert paper_table.known_tables() == known
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
     parser = OverridesParser.create(config_loader=loader)

@@ -1,9 +1,9 @@
 """The Protocol-P presets of APER (every variant), SimpleCIL, RanPAC, MIN, SD-LoRA, InfLoRA, EASE and MOS (both
-backbones), and the tables of their published numbers (``clbench-report --table aper`` / ``ranpac`` / ``min`` /
-``sdlora`` / ``inflora`` / ``ease`` / ``mos``): every row's preset exists, a glob sweeps exactly the table's presets,
-each preset names a Protocol-P data config, and its method and recipe build and take the first training step (on the
-embedded micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py holds each preset,
-benchmark and backbone included, to its official code's values)."""
+backbones), TUNA, and the tables of their published numbers (``clbench-report --table aper`` / ``ranpac`` / ``min`` /
+``sdlora`` / ``inflora`` / ``ease`` / ``mos`` / ``tuna``): every row's preset exists, a glob sweeps exactly the
+table's presets, each preset names a Protocol-P data config, and its method and recipe build and take the first
+training step (on the embedded micro ViT and tiny data in place of the benchmark's: tests/test_preset_departures.py
+holds each preset, benchmark and backbone included, to its official code's values)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,14 @@ PROTOCOL_P = {  # the pack's data configs, by their fixed names
     "omnibench_p_b0inc30",
     "vtab_p_b0inc10",
 }
-TABLES = {"aper": "[aper_*,simplecil_*]", "ranpac": "ranpac_*", "min": "min_*", "ease": "ease_*", "mos": "mos_*"}
+TABLES = {
+    "aper": "[aper_*,simplecil_*]",
+    "ranpac": "ranpac_*",
+    "min": "min_*",
+    "ease": "ease_*",
+    "mos": "mos_*",
+    "tuna": "tuna_*",
+}
 # In place of the benchmark and ViT-B/16: the embedded micro ViT (its shipped weights) on tiny synthetic tasks.
 TINY_STAND_INS = (
     "data=synthetic_tiny",
@@ -65,7 +72,7 @@ def test_every_row_has_its_preset_and_the_glob_sweeps_exactly_the_table() -> Non
         (override,) = parser.parse_overrides([f"experiment=glob({pattern})"])
         assert sorted(override.sweep_string_iterator()) == sorted(rows), table
     assert len(presets("aper")) == 6 * 7 and len(presets("ranpac")) == 6 and len(presets("min")) == 2 * 4
-    assert len(presets("ease")) == 2 * 7 and len(presets("mos")) == 2 * 7
+    assert len(presets("ease")) == 2 * 7 and len(presets("mos")) == 2 * 7 and len(presets("tuna")) == 4
 
 
 # MOS's presets differ in their recipe's values only, but for ImageNet-A's variance: that one in the default suite,
@@ -80,6 +87,7 @@ MOS_DEFAULT = "mos_imagenet_a_p_b0inc20_in21k"
         *presets("ranpac"),
         *presets("min"),
         *presets("ease"),
+        *presets("tuna"),
         *(p if p == MOS_DEFAULT else pytest.param(p, marks=pytest.mark.slow) for p in presets("mos")),
     ],
 )
@@ -98,6 +106,9 @@ def test_a_preset_names_its_protocol_p_benchmark_and_builds_its_method_and_recip
     if preset.startswith("mos"):  # the variance for ImageNet-A (ca_storage_efficient_method), 5 x batch samples
         assert cfg.method.alignment.covariance == ("diagonal" if "imagenet_a" in preset else "full")
         assert cfg.method.alignment.samples_per_class == cfg.method.alignment.batch_size == 5 * cfg.trainer.batch_size
+    if preset.startswith("tuna"):  # the code's path, which produced the logged numbers
+        m = cfg.method
+        assert (m.universal, m.freeze_old_adapters, m.alignment.cosine_epochs) == ("last", False, 5)
     adam = preset == "ease_objectnet_p_b0inc10_in1k"  # exps/ease_obj.json: optimizer adam
     assert cfg.trainer.optimizer == ("adam" if adam else "sgd") and cfg.trainer.min_lr == 0.0
     assert adam or cfg.trainer.momentum == 0.9
@@ -194,3 +205,12 @@ def test_the_ease_table_reads_protocol_ps_micro_metrics_and_labels_its_aper_mode
     assert row.published == {"avg_acc": (91.51, None), "last_acc": (85.8, None)}
     for row in ease.rows:
         assert ("omnibench" in row.preset) == ("APER mode" in row.label), row.preset
+
+
+def test_the_tuna_table_is_its_logs_last_and_mean_top1() -> None:
+    """TUNA's logs (seed 1993): A_T the last of the "CNN top1 curve", Ā its mean ("Average Accuracy (CNN)")."""
+    table = paper_table.load_table("tuna")
+    assert [c.reads for c in table.columns] == ["metrics.cil.avg_incremental_acc_micro", "metrics.cil.final_acc_micro"]
+    curve = [84.57, 81.39, 80.04, 76.65, 74.08, 73.23, 70.47, 66.75, 65.88, 64.78]  # imageneta/0/20 top1 curve
+    (row,) = [r for r in table.rows if r.preset == "tuna_imagenet_a_p_b0inc20"]
+    assert row.published == {"avg_acc": (pytest.approx(sum(curve) / 10, abs=5e-3), None), "last_acc": (curve[-1], None)}

@@ -61,6 +61,10 @@ def matrices(results_json: Path) -> dict:
         # cur_adapter, set 2, carried); the artifacts' round trip in the default suite (tests/test_mos.py)
         pytest.param("mos", ("step", 10), marks=pytest.mark.slow),
         pytest.param("mos-official", ("step", 70), marks=pytest.mark.slow),
+        # TUNA: mid task 1 (its set carried on from task 0's, mid-training; the universal adapter not merged yet) and
+        # after task 1 (merged, the heads aligned); in the default suite its checkpoint replay mid-task (test_tuna.py)
+        pytest.param("tuna", ("step", 10), marks=pytest.mark.slow),
+        pytest.param("tuna", ("evaluate", 6), marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
