@@ -163,9 +163,8 @@ class TUNA(Method):
         """The task's head, Gaussians and adapter set: a copy of the previous task's (``adapter_init=continue``)."""
         super().before_task(task)
         self.aligner.add_task(self.heads[task.id])
-        k = self.sets.add()
-        if task.id and self.config.adapter_init == "continue":
-            copy_set(self.sets, k - 1, k)
+        carried = task.id > 0 and self.config.adapter_init == "continue"
+        self.sets.add(like=len(self.sets) - 1 if carried else None)
 
     def phases(self, task: Task, epochs: int) -> list[Phase]:
         return [Phase("train", epochs), Phase("statistics", 1, observe=True), *self.aligner.phases(task)]
@@ -330,13 +329,6 @@ class TUNA(Method):
     def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_artifacts(tensors)
         self.sets.load(tensors, "adapters.")
-
-
-@torch.no_grad()
-def copy_set(sets: AdapterSets, source: int, target: int) -> None:
-    """Set ``target`` becomes a copy of set ``source`` in every block (the code's cur_adapter carried on)."""
-    for bank in sets.banks:
-        bank.sets[target].load_state_dict(bank.sets[source].state_dict())
 
 
 @torch.no_grad()
