@@ -66,6 +66,9 @@ def test_snippet_sections_open_and_close_and_every_include_names_one(page: Path)
     for path, section in re.findall(r'--8<-- "([^":]+):([\w-]+)"', text):
         source = (ROOT / path).read_text()
         assert f"[start:{section}]" in source and f"[end:{section}]" in source, f"{page.name}: {path}:{section}"
+    for line in re.findall(r"^--8.*$", text, re.M):  # a whole-file include names a file (a formatter can mangle it)
+        included = re.fullmatch(r'--8<-- "([^":]+)(:[\w-]+)?"', line)
+        assert included and (ROOT / included[1]).is_file(), f"{page.name}: {line!r}"
 
 
 @pytest.mark.parametrize("page", nav_pages(), ids=lambda p: str(p.relative_to(DOCS)))
