@@ -8,8 +8,8 @@ BASELINES = ("ewc", "lwf", "er", "derpp", "gdumb", "bic", "individual", "classif
 # The pretrained-model era's methods: adapt a pretrained ViT through a parameter-efficient module (APER and RanPAC in
 # the first session only, EASE a new one every task), the whole ViT slowly (SLCA) or a low-rank update of its
 # attention a task (SD-LoRA, InfLoRA), then classify over its features (MIN through noise layers it learns) without
-# exemplars.
-PTM_METHODS = ("aper", "ranpac", "slca", "sdlora", "inflora", "min", "ease")
+# exemplars; HiDe-Prompt infers the task first, then reads that task's prompt (or LoRA) slot.
+PTM_METHODS = ("aper", "ranpac", "slca", "sdlora", "inflora", "min", "ease", "hide")
 # Every method clbench ships, in the README's order: those that train (reference points, the mask methods, the prompt
 # methods, the rest of the mask survey, the baselines, the pretrained-model era's), then SimpleCIL, which only observes.
 TRAINED = (
