@@ -322,9 +322,10 @@ def test_parallel_jobs_split_the_cores() -> None:
 METHODS = ALL_METHODS
 
 
-# SD-LoRA's, InfLoRA's and MIN's crashes at chosen points run in the default suite (tests/test_resume.py), EASE's
-# checkpoint replay mid-task (tests/test_ease.py); their drawn points in make test-all (the default suite's budget)
-@pytest.mark.parametrize("method", baselines_slow(METHODS, also=("sdlora", "inflora", "min", "ease")))
+# SD-LoRA's, InfLoRA's, MIN's and HiDe's crashes at chosen points run in the default suite (tests/test_resume.py),
+# EASE's checkpoint replay mid-task (tests/test_ease.py); their drawn points in make test-all (the default suite's
+# budget)
+@pytest.mark.parametrize("method", baselines_slow(METHODS, also=("sdlora", "inflora", "min", "ease", "hide")))
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

@@ -65,7 +65,7 @@ LONG_FIRST_TASK = {"hat", "sdlora", "inflora"}
 # The default suite keeps their rules (test_masks, test_lockstep, test_survey, test_prompt_family, each PTM method's
 # own file) and their end-to-end runs (test_resume's and test_faults' crash-and-resume runs, test_honest_evaluation).
 LONG_FIRST_TASK |= {"piggyback", "supsup", "packnet", "coda_prompt", "apd", "ctr", "ksm"}
-LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min"}
+LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min", "hide"}
 
 
 @pytest.mark.parametrize(
@@ -206,6 +206,16 @@ def test_the_lora_methods_cil_errors_on_the_embedded_default_are_wrong_tasks(met
     cil = results["metrics"]["cil"]["final_acc"]
     assert cil <= right_task <= cil + 3.0, (cil, right_task)
     assert results["metrics"]["til"]["final_acc"] >= cil + 30.0, results["metrics"]  # the heads read their features
+
+
+@pytest.mark.slow  # two runs of the 5 digit tasks (make test-all)
+@pytest.mark.parametrize("peft", ["prompt", "lora"])
+def test_hide_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_path: Path, peft: str) -> None:
+    """HiDe's claim against frozen-feature prototypes, on the 5 digit tasks: TII's aligned MLP picks each image's slot,
+    whose prompted features and aligned heads give a CIL final at least SimpleCIL's."""
+    hide = run(tmp_path / "hide", "method=hide", f"method.peft={peft}").metrics()["cil"]["final_acc"]
+    simplecil = run(tmp_path / "simplecil", "method=simplecil").metrics()["cil"]["final_acc"]
+    assert hide >= simplecil, (hide, simplecil)
 
 
 @pytest.mark.slow  # 60 s: two runs of the 5 digit tasks (make test-all)

@@ -76,14 +76,15 @@ class TIIConfig:
 
     epochs: int = 20  # (scripts)
     lr: float = 4.6875e-5  # 0.0005 x 24/256 (unscale_lr: per-device batch 24)
-    schedule: str = "constant"  # constant (CIFAR; ImageNet-R's step decays after its 20 epochs)
+    schedule: str = "constant"  # constant (CIFAR; ImageNet-R's step decays after its 20 epochs) | multistep | cosine
+    milestones: list[int] = field(default_factory=list)  # multistep: the epochs from which lr x 0.1 (--decay-epochs)
     grad_clip: float | None = 1.0  # --clip-grad 1.0
     hidden: int = 2  # MlpMapping's hidden width in multiples of d (mlp_structure [2])
 
     def __post_init__(self) -> None:
         require(self.epochs >= 1, "method.tii.epochs", self.epochs, "an integer >= 1")
         require(self.lr > 0, "method.tii.lr", self.lr, "a float > 0")
-        require_choice("method.tii.schedule", self.schedule, ("constant", "cosine"))
+        require_choice("method.tii.schedule", self.schedule, ("constant", "multistep", "cosine"))
         require(self.grad_clip is None or self.grad_clip > 0, "method.tii.grad_clip", self.grad_clip, "null or > 0")
         require(self.hidden >= 1, "method.tii.hidden", self.hidden, "an integer >= 1")
 
@@ -266,7 +267,8 @@ class HiDe(Method):
         c = self.config.tii
         return {
             "optimizer": "adam", "lr": c.lr, "weight_decay": 0.0, "schedule": c.schedule, "lr_scale_batch": None,
-            "grad_clip": c.grad_clip, "warmup_epochs": 0.0, "min_lr": 0.0,
+            "grad_clip": c.grad_clip, "warmup_epochs": 0.0, "min_lr": 0.0, "milestones": list(c.milestones),
+            "lr_decay": 0.1, "schedule_steps": "epoch",
         }  # fmt: skip
 
     def before_phase(self, task: Task, phase: Phase) -> None:
