@@ -75,6 +75,7 @@ class TIIConfig:
     """The TII stage's training (tii_trainer.py, training_scripts/*.sh): Adam, clip 1, lr after the x bs/256 scaling."""
 
     epochs: int = 20  # (scripts)
+    optimizer: str = "adam"  # --opt adam, betas (0.9, 0.999) | sgd (momentum 0.9)
     lr: float = 4.6875e-5  # 0.0005 x 24/256 (unscale_lr: per-device batch 24)
     schedule: str = "constant"  # constant (CIFAR; ImageNet-R's step decays after its 20 epochs) | multistep | cosine
     milestones: list[int] = field(default_factory=list)  # multistep: the epochs from which lr x 0.1 (--decay-epochs)
@@ -84,6 +85,7 @@ class TIIConfig:
     def __post_init__(self) -> None:
         require(self.epochs >= 1, "method.tii.epochs", self.epochs, "an integer >= 1")
         require(self.lr > 0, "method.tii.lr", self.lr, "a float > 0")
+        require_choice("method.tii.optimizer", self.optimizer, ("adam", "sgd"))
         require_choice("method.tii.schedule", self.schedule, ("constant", "multistep", "cosine"))
         require(self.grad_clip is None or self.grad_clip > 0, "method.tii.grad_clip", self.grad_clip, "null or > 0")
         require(self.hidden >= 1, "method.tii.hidden", self.hidden, "an integer >= 1")
@@ -263,10 +265,10 @@ class HiDe(Method):
         ]
 
     def tii_trainer(self) -> dict[str, Any]:
-        """TII's recipe over the run's: Adam (betas 0.9, 0.999), its lr as stored, no weight decay, clip 1."""
+        """TII's recipe over the run's: its optimizer (Adam) and lr as stored, no weight decay, clip 1."""
         c = self.config.tii
         return {
-            "optimizer": "adam", "lr": c.lr, "weight_decay": 0.0, "schedule": c.schedule, "lr_scale_batch": None,
+            "optimizer": c.optimizer, "lr": c.lr, "weight_decay": 0.0, "schedule": c.schedule, "lr_scale_batch": None,
             "grad_clip": c.grad_clip, "warmup_epochs": 0.0, "min_lr": 0.0, "milestones": list(c.milestones),
             "lr_decay": 0.1, "schedule_steps": "epoch",
         }  # fmt: skip
