@@ -154,8 +154,17 @@ def compose_config(*overrides: str) -> DictConfig:
 
 
 # What fits TINY's one-block backbone where a method's official blocks do not exist there (DualPrompt's E-prompts in
-# blocks 2-4): block 0 then carries both of its prompts, [G, E].
-TINY_FIT = {"dualprompt": ("method.g_layers=[0]", "method.e_layers=[0]")}
+# blocks 2-4): block 0 then carries both of its prompts, [G, E]; and TINY's one or two epochs where a method's stages
+# keep their own (HiDe's TII training and two alignments).
+TINY_FIT = {
+    "dualprompt": ("method.g_layers=[0]", "method.e_layers=[0]"),
+    "hide": (
+        "method.layers=[0]",
+        "method.tii.epochs=1",
+        "method.tii_alignment.epochs=2",
+        "method.tap_alignment.epochs=2",
+    ),
+}
 
 
 def tiny_fit(*overrides: str) -> tuple[str, ...]:

@@ -329,7 +329,7 @@ METHODS = ALL_METHODS
 CHOSEN_POINTS = ("simplecil", "packnet", "hat", "meat", "l2p", "supsup", "aper", "ranpac", "sdlora", "inflora", "min")
 
 
-@pytest.mark.parametrize("method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, "ease", "mos", "tuna")))
+@pytest.mark.parametrize("method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, "ease", "mos", "tuna", "hide")))
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

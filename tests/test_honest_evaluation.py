@@ -273,24 +273,34 @@ def method_class(name: str) -> type[Method]:
     return get_class(node["_target_"])
 
 
+def turned_on(option: str) -> tuple[str, str]:
+    """The override that turns a batch-level option on (``key=true``, or the ``key=value`` it names) and its key."""
+    key, _, value = option.partition("=")
+    return f"method.{key}={value or 'true'}", f"method.{key}"
+
+
 @pytest.mark.parametrize("name", METHODS)
-def test_batch_level_options_are_boolean_keys_off_by_default(name: str) -> None:
+def test_batch_level_options_are_off_by_default(name: str) -> None:
+    """A boolean key is False, a ``key=value`` choice holds another value."""
     cls, config = method_class(name), tiny_config(f"method={name}").method
-    for key in cls.batch_level_options:
-        assert getattr(config, key) is False, f"method.{key} is on by default"
+    for option in cls.batch_level_options:
+        key, _, value = option.partition("=")
+        if value:
+            assert str(getattr(config, key)) != value, f"method.{key}={value} by default"
+        else:
+            assert getattr(config, key) is False, f"method.{key} is on by default"
     assert cls.batch_level(config) == []
 
 
-BATCH_LEVEL = [(m, key) for m in METHODS for key in method_class(m).batch_level_options]
+BATCH_LEVEL = [(m, option) for m in METHODS for option in method_class(m).batch_level_options]
 
 
 @pytest.mark.parametrize(("name", "key"), [(BATCH_LEVEL[0][0], None), *BATCH_LEVEL])
 def test_a_batch_level_option_is_named_in_results(name: str, key: str | None, tmp_path: Path) -> None:
     """Turned on, the option is what results.json names; the default run (``key`` None) names none."""
-    named = [] if key is None else [f"method.{key}"]
-    train(
-        tiny_config(f"method={name}", *(f"{k}=true" for k in named), "data.num_tasks=1", "trainer.epochs=1"), tmp_path
-    )
+    on = [] if key is None else [turned_on(key)]
+    named = [k for _, k in on]
+    train(tiny_config(f"method={name}", *(o for o, _ in on), "data.num_tasks=1", "trainer.epochs=1"), tmp_path)
     evaluation = json.loads((tmp_path / "results.json").read_text())["evaluation"]
     assert evaluation == {"per_sample": not named, "batch_level": named}
 
@@ -301,7 +311,7 @@ def test_a_batch_level_option_is_caught_by_the_per_sample_check(name: str, key: 
     """Turned on, the option's predictions do depend on the batch, which the per-sample check catches. On the
     embedded default: the tiny setup's random backbone gives every image nearly the same query, so each picks the
     same prompts and a vote over them changes nothing; the pretrained micro ViT's queries tell the images apart."""
-    method, rt = trained((f"method={name}", f"method.{key}=true"), "default")
+    method, rt = trained((f"method={name}", turned_on(key)[0]), "default")
     with pytest.raises(AssertionError, match="against each image alone"):
         check_per_sample(method, probe_images(rt), "seen")
 

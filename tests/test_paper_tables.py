@@ -85,8 +85,22 @@ def test_every_row_has_its_preset_and_glob_sweeps_exactly_the_table() -> None:
     from hydra._internal.utils import create_config_search_path
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    # aper, ranpac, slca, sdlora, inflora, min, ease, mos and tuna (the Protocol-P tables): tests/test_ptm_presets.py
-    known = ["aper", "ease", "inflora", "l2p_table1", "meat_table1", "min", "mos", "ranpac", "sdlora", "slca", "tuna"]
+    # aper, ranpac, slca, sdlora, inflora, min, ease, mos and tuna (the Protocol-P tables): tests/test_ptm_presets.py;
+    # hide: tests/test_hide.py
+    known = [
+        "aper",
+        "ease",
+        "hide",
+        "inflora",
+        "l2p_table1",
+        "meat_table1",
+        "min",
+        "mos",
+        "ranpac",
+        "sdlora",
+        "slca",
+        "tuna",
+    ]
     assert paper_table.known_tables() == known
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(CONF)))
     parser = OverridesParser.create(config_loader=loader)
@@ -309,7 +323,7 @@ def test_an_unknown_table_lists_the_known_ones(tmp_path: Path, capsys: pytest.Ca
     with pytest.raises(SystemExit) as exit_:
         report_main(["--table", "l2p_tabel1", str(tmp_path)])
     assert exit_.value.code == 2
-    known = "Known tables: aper, ease, inflora, l2p_table1, meat_table1, min, mos, ranpac, sdlora"
+    known = "Known tables: aper, ease, hide, inflora, l2p_table1, meat_table1, min, mos, ranpac, sdlora"
     assert known in capsys.readouterr().err
 
 

@@ -64,6 +64,7 @@ def official_split(seed: int, tasks: int) -> list[list[int]]:
     [
         ("l2p_cifar100_paper", NATURAL, 224),
         ("dualprompt_cifar100_paper", NATURAL, 224),
+        ("hide_cifar100_10tasks", NATURAL, 224),
         ("coda_prompt_cifar100_paper", NATURAL, 224),
         ("supsup_splitcifar100_paper", official_split(0, 20), 32),
         ("apd_cifar100_split_paper", NATURAL, 32),
@@ -317,7 +318,15 @@ def test_the_l2p_five_datasets_preset_takes_a_step_on_its_files(tmp_path: Path) 
     assert torch.isfinite(first_step(method, rt))
 
 
-@pytest.mark.parametrize("preset", ["dualprompt_imagenet_r_paper", "coda_prompt_imagenet_r_paper"])
+@pytest.mark.parametrize(
+    "preset",
+    [
+        "dualprompt_imagenet_r_paper",
+        "coda_prompt_imagenet_r_paper",
+        "hide_imagenet_r_10tasks",
+        "hide_lora_imagenet_r_10tasks",
+    ],
+)
 def test_the_imagenet_r_prompt_presets_read_the_wnid_folders_in_sorted_order_and_take_a_step(
     tmp_path: Path, preset: str
 ) -> None:

@@ -17,7 +17,7 @@ from clbench.loop import step as step_module
 from clbench.loop import train
 from clbench.loop.runtime import Runtime
 from clbench.methods import PTM_METHODS
-from conftest import TINY, clbench, run_command, tiny_config
+from conftest import TINY, clbench, run_command, tiny_config, tiny_fit
 
 CHECKPOINTED = ("trainer.checkpoint_every=1", "trainer.epochs=2", "data.val_fraction=0.2")
 
@@ -65,6 +65,12 @@ def matrices(results_json: Path) -> dict:
         # after task 1 (merged, the heads aligned); in the default suite its checkpoint replay mid-task (test_tuna.py)
         pytest.param("tuna", ("step", 10), marks=pytest.mark.slow),
         pytest.param("tuna", ("evaluate", 6), marks=pytest.mark.slow),
+        # HiDe, in make test-all (5 s each, past the default suite's budget): task 1's head alignment, epoch 1 (its
+        # TAP clusters, the slot in the bank, TII's aligned MLP), its LoRA slot mid-training (task 1's WTP) and the
+        # lifecycle after task 0
+        pytest.param("hide", ("step", 32), marks=pytest.mark.slow),
+        pytest.param("hide-lora", ("step", 24), marks=pytest.mark.slow),
+        pytest.param("hide", ("evaluate", 6), marks=pytest.mark.slow),
     ],
 )
 def test_resume_after_a_crash_gives_the_uninterrupted_results(
@@ -76,6 +82,7 @@ def test_resume_after_a_crash_gives_the_uninterrupted_results(
         "sdlora": ("method.alpha_carry=reset",) if variant else (),
         "inflora": ("method.subspace_pass=before",) if variant else (),
         "mos": ("method.merge_mode=official",) if variant else (),
+        "hide": ("method.peft=lora",) if variant else (),
     }.get(method, ())
     overrides = (f"method={method}", *CHECKPOINTED, *extra)
     train(tiny_config(*overrides), tmp_path / "whole")
@@ -182,11 +189,12 @@ def test_a_pretrained_model_method_killed_in_or_after_its_first_task_resumes_to_
     SLCA's slowly learning ViT, and the head mid-training) and after the first task's (the prototypes, the class
     Gaussians, or the ridge statistics G and Q with the projection's seed), then resume=true: the uninterrupted run's
     matrices."""
-    overrides = (*TINY, *CHECKPOINTED, f"method={method}", "logger.mode=disabled")
+    overrides = (*TINY, *tiny_fit(f"method={method}"), *CHECKPOINTED, f"method={method}", "logger.mode=disabled")
     whole = clbench(*overrides, f"hydra.run.dir={tmp_path / 'whole'}", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-2000:]
     expected = matrices(tmp_path / "whole" / "results.json")
-    for name, after in (("in_session", 1), ("after_task_0", 3)):  # saves: epoch 0, epoch 1, the task's end
+    # saves: epoch 0, epoch 1, the task's end (HiDe: its TII epoch first)
+    for name, after in (("in_session", 1), ("after_task_0", 4 if method == "hide" else 3)):
         run_dir = tmp_path / name
         killed = clbench_killing_itself(run_dir, "KILL", after, *overrides)
         assert killed.returncode == -9, killed.stderr[-2000:]

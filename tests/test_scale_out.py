@@ -83,8 +83,8 @@ def test_optuna_search_optimises_the_objective_and_writes_the_best(tmp_path: Pat
 # distillation's gradient on them is zero up to rounding, and rounding differs between one process and two ranks
 # (the same sums in another order). Adam divides a gradient by its own magnitude: it turns that rounding into
 # lr-sized steps (measured: heads 1.5e-3 apart under AdamW, 7e-9 under SGD). The check of the reduction itself runs
-# LwF under SGD; under Adam the runs are as alike as the method's arithmetic lets them be.
-EXACT_UNDER = {"lwf": ("trainer.optimizer=sgd",)}
+# LwF and HiDe (its TII stage too) under SGD; under Adam the runs are as alike as the method's arithmetic lets them be.
+EXACT_UNDER = {"lwf": ("trainer.optimizer=sgd",), "hide": ("trainer.optimizer=sgd", "method.tii.optimizer=sgd")}
 
 
 @pytest.mark.parametrize(  # finetune in the default suite (20 s a method); the others in test-all

@@ -119,8 +119,9 @@ class Method(nn.Module):
     replay_draws: ClassVar[int] = 0
     memory_logits: ClassVar[bool] = False
     memory_holdout: ClassVar[float] = 0.0  # the share of each class's memory held out for validation (BiC: 0.1)
-    # Boolean keys of ``Config`` that make one test image's prediction depend on the rest of its batch (an official
-    # code's batch-level rule, such as L2P's prompt vote): off by default, named in results.json when a run sets one.
+    # Keys of ``Config`` that make one test image's prediction depend on the rest of its batch (an official code's
+    # batch-level rule, such as L2P's prompt vote): a boolean key (on when true) or ``key=value`` (a choice, on when the
+    # key holds that value: HiDe's prefix layout); off by default, named in results.json when a run sets one.
     batch_level_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: Any) -> None:
@@ -159,7 +160,12 @@ class Method(nn.Module):
     def batch_level(cls, config: Any) -> list[str]:
         """The :attr:`batch_level_options` that ``config`` turns on, as ``method.<key>``: with any, a prediction depends
         on the other images of its batch (results.json's ``evaluation.batch_level``; the run warns)."""
-        return [f"method.{key}" for key in cls.batch_level_options if getattr(config, key)]
+        on = []
+        for option in cls.batch_level_options:
+            key, _, value = option.partition("=")
+            if (str(getattr(config, key)) == value) if value else getattr(config, key):
+                on.append(f"method.{key}")
+        return on
 
     @staticmethod
     def unused_keys(config: Any) -> dict[str, str]:

@@ -112,6 +112,15 @@ class PrefixAttention(nn.Module):
         return head_merge(self.attn, F.scaled_dot_product_attention(q, k, v, dropout_p=drop), gate)
 
 
+def wrap_prefix_layers(vit: VisionTransformer, layers: list[int]) -> dict[int, PrefixAttention]:
+    """Prefix attention in each of ``layers``' blocks of ``vit`` (parameters stay the backbone's)."""
+    wrapped = {}
+    for i in layers:
+        block = vit.blocks[i]
+        block.attn = wrapped[i] = PrefixAttention(block.attn)
+    return wrapped
+
+
 class PromptMethod(Method):
     """Base of the prompt methods: a frozen backbone, per-task heads whose concatenation is the one class-incremental
     head, the query, a pool of ``pool_size`` keyed prompts (None: no pool) with its selection histograms, and training
@@ -145,11 +154,7 @@ class PromptMethod(Method):
 
     def wrap_prefix_layers(self, layers: list[int]) -> dict[int, PrefixAttention]:
         """Prefix attention in each of ``layers``' blocks (parameters stay the backbone's)."""
-        wrapped = {}
-        for i in layers:
-            block = self.backbone.blocks[i]
-            block.attn = wrapped[i] = PrefixAttention(block.attn)
-        return wrapped
+        return wrap_prefix_layers(self.backbone, layers)
 
     def select(self, q: torch.Tensor, task: Task | None) -> torch.Tensor:
         """The prompts (B, k) each sample uses; ``task`` is set while training it."""

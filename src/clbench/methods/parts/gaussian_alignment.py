@@ -19,6 +19,13 @@ models/slca.py L174-256):
   parameter) and a cosine schedule stepped once an epoch. The draw of (run seed, task, epoch) comes from a generator
   of its own, so the run's random stream is untouched and a resumed epoch draws the features it was interrupted on.
 
+Multi-centroid statistics (``centroids`` k > 1, HiDe-Prompt's ``multi-centroid``: thu-ml/HiDe-Prompt@0ed4333
+engines/hide_tii_engine.py L175-202): the features of each class are clustered by k-means (k clusters, a fixed seed
+where the code seeds none) and each cluster keeps its mean and per-dimension variance (NumPy's ``var``, ddof 0); a
+sample of a cluster is its mean + sqrt(var + ridge) z. A cluster whose variance is zero (one image) draws nothing, as
+the code skips it; every cluster's mean is kept (HiDe's prototype loss reads them all). The observe pass keeps the
+task's features, row by row, until the clustering (rows are added up over the ranks: each rank fills its own).
+
 SLCA's mean shrink: s_c = 0.9 + 0.1 (k_c + 1) / (t + 1) for a class of task k_c at stage t (older tasks' means shrunk
 more, the current task's x 1; slca.py L199-202). TUNA's code computes the same expression with the task size's sign
 flipped (``tuna_code``: k_c = floor(c / -increment), the newest classes shrunk most). SLCA's logit normalisation
@@ -43,7 +50,7 @@ from clbench.methods.base import Phase
 
 COVARIANCES = ("full", "diagonal")
 SHRINKS = ("none", "slca", "tuna_code")
-STEPS = ("all", "old")
+STEPS = ("all", "old", "seen")
 
 
 @dataclass
@@ -53,7 +60,9 @@ class AlignmentConfig:
     epochs: int = 5  # alignment epochs a task, from the second task on (ca_epochs, L26); 0: no alignment
     samples_per_class: int = 256  # samples drawn for each seen class every epoch (num_sampled_pcls, L197)
     batch_size: int = 256  # samples a step (the slices of L222)
-    steps: str = "all"  # all: every drawn sample once an epoch (SLCA, MOS, TUNA) | old: one batch per old class (HiDe)
+    # all: every drawn sample once an epoch (SLCA, MOS, TUNA) | old: one batch per old class (HiDe's code) | seen: one
+    # batch per seen class
+    steps: str = "all"
     covariance: str = "full"  # full: Sigma_c (torch.cov, base.py L262) | diagonal: its diagonal only (MOS's variance)
     ridge: float = 1e-4  # added to Sigma_c's diagonal (base.py L262)
     mean_shrink: str = "slca"  # none | slca: mu_c (0.9 + 0.1 (k_c + 1) / (t + 1)) (L199-202) | tuna_code
@@ -63,6 +72,8 @@ class AlignmentConfig:
     weight_decay: float = 5e-4  # on every head parameter, biases included (L181-183)
     cosine_epochs: int | None = None  # the cosine's length in epochs (T_max; null: epochs, L185; TUNA's code: 5)
     restore: bool = True  # heads back to their pre-alignment copy before the next task (fc.recall, L75-79)
+    centroids: int = 1  # 1: one Gaussian a class | k > 1: k-means clusters a class, each a mean and variance (HiDe)
+    kmeans_seed: int = 0  # the k-means initialisation's seed (HiDe's code seeds none)
 
     def __post_init__(self) -> None:
         require_finite(self, "method.alignment")
@@ -80,6 +91,11 @@ class AlignmentConfig:
         require(self.weight_decay >= 0, "method.alignment.weight_decay", self.weight_decay, "a float >= 0")
         ok = self.cosine_epochs is None or self.cosine_epochs >= 1
         require(ok, "method.alignment.cosine_epochs", self.cosine_epochs, "null (epochs) or an integer >= 1")
+        require(self.centroids >= 1, "method.alignment.centroids", self.centroids, "an integer >= 1")
+        ok = self.centroids == 1 or self.covariance == "diagonal"
+        require(
+            ok, "method.alignment.covariance", self.covariance, "diagonal with centroids > 1 (per-cluster variances)"
+        )
 
 
 def gaussian(
@@ -96,6 +112,24 @@ def gaussian(
     centred = second - n[:, :, None] * mean[:, :, None] * mean[:, None, :]
     eye = torch.eye(mean.shape[1], dtype=mean.dtype, device=mean.device)
     return mean, centred / (n - 1).clamp(min=1)[:, :, None] + ridge * eye
+
+
+def clustered(feats: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """k-means clusters of one class's features (n, D): each cluster's mean and per-dimension variance (ddof 0) and
+    its size, (k, D), (k, D), (k,). With fewer than k images, each image is a cluster and the rest are empty (size
+    0)."""
+    from sklearn.cluster import KMeans  # imported here: only multi-centroid statistics need it
+
+    n, dim = feats.shape
+    means, variances, sizes = np.zeros((k, dim)), np.zeros((k, dim)), np.zeros(k)
+    found = min(k, n)
+    if not found:
+        return means, variances, sizes
+    labels = KMeans(n_clusters=found, random_state=seed, n_init="auto").fit(feats).labels_
+    for j in range(found):
+        members = feats[labels == j]
+        means[j], variances[j], sizes[j] = members.mean(0), members.var(0), len(members)
+    return means, variances, sizes
 
 
 def shrink_factors(
@@ -140,6 +174,23 @@ class TaskGaussians(nn.Module):
         return mean + z @ self.factor.transpose(1, 2)
 
 
+class TaskCentroids(nn.Module):
+    """One task's class clusters as buffers: means and standard deviations sqrt(var + ridge) (C, k, D), and each
+    cluster's size (C, k); a cluster draws samples where its variance is not zero (``live``)."""
+
+    def __init__(self, num_classes: int, k: int, dim: int, device: torch.device) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(num_classes, k, dim, device=device))
+        self.register_buffer("factor", torch.zeros(num_classes, k, dim, device=device))
+        self.register_buffer("size", torch.zeros(num_classes, k, device=device))
+        self.register_buffer("live", torch.zeros(num_classes, k, dtype=torch.bool, device=device))
+
+    def sample(self, z: torch.Tensor, shrink: torch.Tensor) -> torch.Tensor:
+        """mu_ck s_c + sigma_ck z for the standard-normal draws ``z`` (C, k, n, D) of each cluster."""
+        mean = (self.mean.double() * shrink[:, None, None]).float()
+        return mean[:, :, None, :] + z * self.factor[:, :, None, :]
+
+
 class HeadCopy(nn.Module):
     """A head's tensors as buffers: SLCA's pre-alignment copy (``fc.backup``)."""
 
@@ -175,16 +226,29 @@ class GaussianAligner(nn.Module):
     def diagonal(self) -> bool:
         return self.config.covariance == "diagonal"
 
+    @property
+    def clustered(self) -> bool:
+        return self.config.centroids > 1
+
     def add_task(self, head: nn.Linear) -> None:
         """Room for a new task's Gaussians and its head's copy (zeros until observed: a resume's replay builds them)."""
-        self.tasks.append(TaskGaussians(head.out_features, self.dim, self.diagonal, head.weight.device))
+        classes, device = head.out_features, head.weight.device
+        if self.clustered:
+            self.tasks.append(TaskCentroids(classes, self.config.centroids, self.dim, device))
+        else:
+            self.tasks.append(TaskGaussians(classes, self.dim, self.diagonal, device))
         self.copies.append(HeadCopy(head))
 
     # ----------------------------------------------------------------------------- statistics
-    def start(self) -> None:
-        """Zero fp64 sums for the newest task's classes (before its observe pass)."""
+    def start(self, rows: int = 0) -> None:
+        """Zero fp64 sums for the newest task's classes (before its observe pass); with ``centroids`` > 1, room for
+        the features of the task's ``rows`` training images (with their labels and how many ranks saw each row)."""
         block = self.tasks[-1]
         classes, device = block.mean.shape[0], block.mean.device
+        if self.clustered:
+            shapes = ((rows, self.dim), (rows,), (rows,))
+            self.sums = [torch.zeros(shape, dtype=torch.float64, device=device) for shape in shapes]
+            return
         second = (classes, self.dim) if self.diagonal else (classes, self.dim, self.dim)
         self.sums = [
             torch.zeros(shape, dtype=torch.float64, device=device)
@@ -192,11 +256,19 @@ class GaussianAligner(nn.Module):
         ]
 
     @torch.no_grad()
-    def observe(self, feats: torch.Tensor, local: torch.Tensor) -> None:
-        """Add a batch of features (B, D) of the task's classes ``local`` (0 .. C-1) to the sums (no host sync)."""
+    def observe(self, feats: torch.Tensor, local: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+        """Add a batch of features (B, D) of the task's classes ``local`` (0 .. C-1) to the sums (no host sync);
+        with ``centroids`` > 1, keep them at their ``rows`` (positions in the task's training data)."""
         assert self.sums is not None  # set by start
-        count, total, second = self.sums
         x = feats.double()
+        if self.clustered:
+            assert rows is not None, "multi-centroid statistics keep each row's features"
+            kept, labels, hits = self.sums
+            kept.index_add_(0, rows, x)
+            labels.index_add_(0, rows, local.double())
+            hits.index_add_(0, rows, torch.ones_like(labels[rows]))
+            return
+        count, total, second = self.sums
         count.index_add_(0, local, torch.ones_like(local, dtype=torch.float64))
         total.index_add_(0, local, x)
         if self.diagonal:
@@ -213,6 +285,9 @@ class GaussianAligner(nn.Module):
         """The observed task's sums -> its classes' means and factors (once; nothing pending, nothing done)."""
         if self.sums is None:
             return
+        if self.clustered:
+            self.settle_clusters()
+            return
         mean, covariance = gaussian(*self.sums, self.config.ridge)
         block = self.tasks[-1]
         if self.diagonal:
@@ -226,12 +301,38 @@ class GaussianAligner(nn.Module):
         block.factor.copy_(factor)
         self.sums = None
 
+    def settle_clusters(self) -> None:
+        """The kept features of the observed task -> each class's k-means clusters (on the host, in fp64)."""
+        assert self.sums is not None
+        kept, labels, hits = (t.cpu() for t in self.sums)
+        seen = hits > 0
+        feats = (kept[seen] / hits[seen, None]).numpy()
+        local = (labels[seen] / hits[seen]).round().long().numpy()
+        block, c = self.tasks[-1], self.config
+        for cls in range(block.mean.shape[0]):
+            means, variances, sizes = clustered(feats[local == cls], c.centroids, c.kmeans_seed)
+            block.mean[cls] = torch.from_numpy(means).to(block.mean)
+            block.factor[cls] = torch.from_numpy(np.sqrt(variances + c.ridge)).to(block.factor)
+            block.size[cls] = torch.from_numpy(sizes).to(block.size)
+            block.live[cls] = torch.from_numpy(variances.mean(1) != 0).to(block.live.device)
+        self.sums = None
+
+    def means(self, tasks: int) -> torch.Tensor:
+        """The class means (C, D) of the first ``tasks`` tasks, or with ``centroids`` > 1 every non-empty cluster's
+        mean, in class order."""
+        if not tasks:
+            return torch.zeros(0, self.dim, device=self.tasks[0].mean.device)
+        blocks = self.tasks[:tasks]
+        if not self.clustered:
+            return torch.cat([b.mean for b in blocks])
+        return torch.cat([b.mean[b.size > 0] for b in blocks])
+
     # ----------------------------------------------------------------------------- the alignment stage
-    def phases(self, task: Task) -> list[Phase]:
-        """The alignment phase of ``task`` (from the second task on, unless ``epochs`` is 0)."""
+    def phases(self, task: Task, name: str = "align") -> list[Phase]:
+        """The alignment phase ``name`` of ``task`` (from the second task on, unless ``epochs`` is 0)."""
         if task.id == 0 or not self.config.epochs:
             return []
-        return [Phase("align", self.config.epochs, data="features", trainer=self.trainer_settings())]
+        return [Phase(name, self.config.epochs, data="features", trainer=self.trainer_settings())]
 
     def trainer_settings(self) -> dict[str, Any]:
         """The alignment phase's own recipe: SGD, batches of drawn samples, a cosine stepped once an epoch (all five
@@ -278,20 +379,29 @@ class GaussianAligner(nn.Module):
 
     @torch.no_grad()
     def draw(self, tasks: list[Task], stage: int, epoch: int) -> Split:
-        """The samples of epoch ``epoch`` of the alignment at ``stage``: ``samples_per_class`` of every seen class in
-        class order (global labels), or with ``steps=old`` a random subset of one batch per old class."""
+        """The samples of epoch ``epoch`` of the alignment at ``stage``: ``samples_per_class`` of every seen class (of
+        every live cluster of it, with ``centroids`` > 1) in class order (global labels), or with ``steps=old``
+        (``seen``) a random subset of one batch per old (seen) class."""
         c, seen = self.config, tasks[: stage + 1]
         device = self.tasks[0].mean.device
         generator = torch.Generator(device=device).manual_seed(draw_seed(stage, epoch))
         shrink = self.shrink(tasks, stage).to(device)
-        parts = []
+        n, parts, labels = c.samples_per_class, [], []
         for task, block in zip(seen, self.tasks, strict=True):
-            z = torch.randn(task.num_classes, c.samples_per_class, self.dim, generator=generator, device=device)
-            parts.append(block.sample(z, shrink[task.offset : task.offset + task.num_classes]).flatten(0, 1))
-        x = torch.cat(parts)
-        y = torch.arange(len(shrink), device=device).repeat_interleave(c.samples_per_class)
-        if c.steps == "old":
-            kept = torch.randperm(len(y), generator=generator, device=device)[: seen[-1].offset * c.batch_size]
+            classes = torch.arange(task.offset, task.offset + task.num_classes, device=device)
+            if self.clustered:
+                z = torch.randn(task.num_classes, c.centroids, n, self.dim, generator=generator, device=device)
+                drawn = block.sample(z, shrink[classes])[block.live]  # (live clusters, n, D)
+                classes = classes[:, None].expand(-1, c.centroids)[block.live]
+            else:
+                z = torch.randn(task.num_classes, n, self.dim, generator=generator, device=device)
+                drawn = block.sample(z, shrink[classes])
+            parts.append(drawn.flatten(0, 1))
+            labels.append(classes.repeat_interleave(n))
+        x, y = torch.cat(parts), torch.cat(labels)
+        if c.steps != "all":
+            batches = seen[-1].offset if c.steps == "old" else seen[-1].offset + seen[-1].num_classes
+            kept = torch.randperm(len(y), generator=generator, device=device)[: batches * c.batch_size]
             x, y = x[kept], y[kept]
         return Split(x, y)
 
@@ -308,6 +418,8 @@ class GaussianAligner(nn.Module):
         head's pre-alignment copy."""
         block = self.tasks[task_id]
         bits = {"class_means": 32 * block.mean.numel(), "class_covariances": 32 * block.factor.numel()}
+        if self.clustered:
+            bits["cluster_sizes"] = 32 * block.size.numel()
         if self.config.restore and self.config.epochs:
             bits["head_copy"] = 32 * sum(b.numel() for b in self.copies[task_id].buffers())
         return bits

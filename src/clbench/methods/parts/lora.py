@@ -17,6 +17,10 @@ and no d x 3w matrix is formed. Without gradients (evaluation, statistics passes
 projection's weight once per batch, W + Δ, and the image's forward is the plain ViT's: one pass, whatever the number
 of tasks. Attention around it is timm's own, on PyTorch's fused scaled-dot-product kernel.
 
+With ``chosen`` set (a component index per sample: a bank slot, or the bank's size for the current component), each
+sample takes the update of its one component alone, s_i g_i B_i A_i, as a batched low-rank branch (HiDe-LoRA's
+per-sample LoRA slot, thu-ml/HiDe-Prompt@0ed4333 peft/lora/hide_lora.py L71-77); no weight is merged.
+
 While ``recording`` is set the wrapper also sums the second moment of its input, Σ x x^T over every token, in fp64,
 and counts the tokens (InfLoRA's statistics passes).
 """
@@ -73,6 +77,7 @@ class QKVLoRA(nn.Module):
         self._magnitudes = (magnitudes,)  # held, not registered: the method owns it, every block reads it
         self.recording = False
         self.active = True
+        self.chosen: torch.Tensor | None = None  # (B,) one component per sample (see the module's docstring)
         self.reset_current()
 
     # ----------------------------------------------------------------------------- the components
@@ -125,12 +130,28 @@ class QKVLoRA(nn.Module):
             a_all, scale, b_all = self.factors()
             return self.qkv.weight + b_all @ (scale[:, None] * a_all)
 
+    def selected(self, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """Each sample's update from its one component ``chosen[b]`` (B, N, 3w): s_i g_i B_i A_i x in each target's
+        third, zeros in the others."""
+        magnitudes = self._magnitudes[0]
+        a = torch.cat([self.bank_a, self.a[None]])[chosen]  # (B, n, r, d)
+        b = torch.cat([self.bank_b, self.b[None]])[chosen]  # (B, n, w, r)
+        gain = torch.cat([self.bank_gain * magnitudes.bank[:, None], magnitudes.current.expand(1, len(self.thirds))])
+        low = torch.einsum("bnd,bkrd->bknr", x, a.to(x.dtype))
+        update = torch.einsum("bknr,bkwr->bknw", low, b.to(x.dtype)) * gain[chosen].to(x.dtype)[:, :, None, None]
+        thirds = [x.new_zeros(*x.shape[:2], self.width)] * 3
+        for k, third in enumerate(self.thirds):
+            thirds[third] = update[:, k]
+        return torch.cat(thirds, dim=-1)
+
     # ----------------------------------------------------------------------------- the forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recording:
             self.record(x)
         if not self.active:
             return self.qkv(x)
+        if self.chosen is not None:
+            return self.qkv(x) + self.selected(x, self.chosen)
         if not torch.is_grad_enabled():
             return F.linear(x, self.merged_weight(), self.qkv.bias)
         a_all, scale, b_all = self.factors()
@@ -205,6 +226,16 @@ class LoRA:
         """Floats of one component over every block: (r d + w r) per target."""
         return sum(w.a.numel() + w.b.numel() for w in self.wrappers)
 
+    def choose(self, chosen: torch.Tensor | None) -> None:
+        """Every block's per-sample component (None: the sum of every component)."""
+        for wrapper in self.wrappers:
+            wrapper.chosen = chosen
+
+    def activate(self, on: bool) -> None:
+        """The updates on, or every block's pretrained projection alone."""
+        for wrapper in self.wrappers:
+            wrapper.active = on
+
     @property
     def recording(self) -> bool:
         return any(w.recording for w in self.wrappers)
@@ -218,13 +249,23 @@ class LoRA:
                 wrapper.recording = False
 
 
-def attach(vit: VisionTransformer, targets: tuple[str, ...], rank: int, slots: int, magnitudes: Magnitudes) -> LoRA:
-    """Wrap every block's fused ``attn.qkv`` of ``vit`` with :class:`QKVLoRA` (``slots`` bank slots, rank ``rank``);
-    the pretrained weights are left as they were (the method freezes them)."""
+def attach(
+    vit: VisionTransformer,
+    targets: tuple[str, ...],
+    rank: int,
+    slots: int,
+    magnitudes: Magnitudes,
+    *,
+    blocks: list[int] | None = None,
+) -> LoRA:
+    """Wrap the fused ``attn.qkv`` of ``vit``'s ``blocks`` (None: every block) with :class:`QKVLoRA` (``slots`` bank
+    slots, rank ``rank``); the pretrained weights are left as they were (the method freezes them)."""
     if not targets or any(t not in TARGETS for t in targets) or len(set(targets)) != len(targets):
         raise ValueError(f"LoRA targets {targets!r}: distinct ones of {', '.join(TARGETS)}")
     wrappers = []
     for i, block in enumerate(vit.blocks):
+        if blocks is not None and i not in blocks:
+            continue
         qkv = getattr(getattr(block, "attn", None), "qkv", None)
         if not isinstance(qkv, nn.Linear) or qkv.out_features != 3 * block.attn.num_heads * block.attn.head_dim:
             raise ConfigError(
