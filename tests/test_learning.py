@@ -239,6 +239,7 @@ def test_mos_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_pat
     assert mos >= simplecil, (mos, simplecil)
 
 
+@pytest.mark.slow  # 50 s: two runs of the 5 digit tasks (make test-all)
 def test_tuna_beats_simplecil_without_the_task_id_on_the_embedded_default(tmp_path: Path) -> None:
     """TUNA's claim against frozen-feature prototypes, on the 5 digit tasks: the least-entropy task adapter with the
     universal adapter gives a CIL final at least SimpleCIL's (measured: 90.9 against 80.7)."""
