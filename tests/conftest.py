@@ -9,12 +9,16 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
 from clbench.config import RunConfig, config_dir, validate
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
@@ -188,6 +192,49 @@ def trained_task_by_task(cfg: RunConfig) -> tuple:
         run_task(method, task, rt, epochs=cfg.trainer.epochs)
         method.after_task(task)
     return method.eval(), rt
+
+
+def optimized(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+    """Every parameter ``optimizer`` steps (a train step's ``params``)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
+
+
+def one_step_into(method, rt, task_id: int) -> None:
+    """The run's tasks before ``task_id`` trained as the loop trains them (``rt.cfg.trainer.epochs``), then one step of
+    ``task_id``'s first phase on its first 16 images: a checkpoint's position mid-task."""
+    from clbench.loop.optim import build_optimizer
+    from clbench.loop.step import train_step
+    from clbench.loop.task import run_task
+
+    for task in rt.benchmark.tasks[:task_id]:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=rt.cfg.trainer.epochs)
+        method.after_task(task)
+    task = rt.benchmark.tasks[task_id]
+    method.before_task(task)
+    phase = method.phases(task, rt.cfg.trainer.epochs)[0]
+    method.before_phase(task, phase)
+    optimizer = build_optimizer(method, task, phase, rt.cfg.trainer)
+    x, y = rt.benchmark.train[task_id].batch(None, 0, 16)
+    train_step(method, task, rt, x, y, optimizer=optimizer, params=optimized(optimizer))
+
+
+def assert_replays(method, fresh, rt, task_id: int) -> None:
+    """``fresh`` (the same run's method under another seed), walked by the loop's replay to ``method``'s position one
+    step into ``task_id``'s first phase (:func:`one_step_into`), takes ``method``'s state_dict back exactly and
+    predicts the same classes without the task id."""
+    import torch
+
+    from clbench.checkpoint import Cursor, Position
+    from clbench.loop.resume import replay
+
+    state = method.state_dict()
+    replay(fresh, rt.benchmark.tasks, Position(task=task_id, step=0, cursor=Cursor(phase=0)), rt.cfg.trainer.epochs)
+    fresh.load_state_dict(state)
+    for key, value in fresh.state_dict().items():
+        assert torch.equal(value, state[key]), key
+    probe = rt.test_tf(rt.benchmark.test[0].x)
+    assert torch.equal(fresh.eval().predict(probe, None), method.eval().predict(probe, None))
 
 
 @pytest.fixture(autouse=True)

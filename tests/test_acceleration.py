@@ -53,10 +53,11 @@ def test_a_method_that_keeps_step_state_on_the_host_is_not_captured(monkeypatch:
     assert graph_blocker(tiny_config(), CUDA, Ranks()) == "the method draws per-step values on the host"
 
 
-# InfLoRA's forward is SD-LoRA's LoRA part (parts/lora.py) on other targets: its case runs in make test-all.
+# InfLoRA's forward is SD-LoRA's LoRA part (parts/lora.py) on other targets: its case runs in make test-all, as APD's
+# and CTR's (5-9 s: T copies of every block Linear, two capsule plugins a block; KSM and TFM keep the survey's).
 @pytest.mark.parametrize(
     "method_name",
-    [pytest.param(m, marks=pytest.mark.slow) if m == "inflora" else m for m in baselines_slow(METHODS)],
+    [pytest.param(m, marks=pytest.mark.slow) if m in ("inflora", "apd", "ctr") else m for m in baselines_slow(METHODS)],
 )
 def test_every_method_forward_and_loss_compile_as_one_graph(method_name: str) -> None:
     """torch._dynamo.explain of ``training_loss`` on the micro ViT (4 blocks), for the first task and for the second

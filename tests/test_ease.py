@@ -14,15 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clbench.checkpoint import Cursor, Position
 from clbench.errors import ConfigError
 from clbench.loop.optim import build_optimizer
-from clbench.loop.resume import replay
 from clbench.loop.runtime import build_runtime
 from clbench.loop.step import train_step
 from clbench.loop.task import run_task
 from clbench.methods.first_session import vit_features
-from conftest import tiny_config
+from conftest import assert_replays, one_step_into, optimized, tiny_config
 from oracles import ease_reference as ref
 from oracles import petl_reference as pref
 
@@ -57,10 +55,6 @@ def code_fc(method, tasks: int) -> torch.Tensor:
     """The method's prototypes of ``tasks`` tasks in the code's layout: fc.weight[c, block * d : (block + 1) * d]."""
     subspaces = len(method.subspaces())
     return torch.cat([method.prototypes(i)[:, :subspaces].flatten(1) for i in range(tasks)])
-
-
-def stepped(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def set_prototypes(method, fc: torch.Tensor) -> None:
@@ -282,7 +276,7 @@ def test_a_task_trains_its_own_adapter_set_and_proxy_head_only() -> None:
     torch.testing.assert_close(loss, F.cross_entropy(proxy, y - task1.offset))
     method.train()
     before = {name: p.detach().clone() for name, p in method.named_parameters()}
-    train_step(method, task1, rt, x, y, optimizer=optimizer, params=stepped(optimizer))
+    train_step(method, task1, rt, x, y, optimizer=optimizer, params=optimized(optimizer))
     named = dict(method.named_parameters())
     moved = {name for name, p in named.items() if not torch.equal(p, before[name])}
     assert moved and {id(named[name]) for name in moved} <= trained
@@ -292,27 +286,11 @@ def test_a_task_trains_its_own_adapter_set_and_proxy_head_only() -> None:
 def test_a_checkpoint_replay_restores_every_set_and_prototype_mid_task_too() -> None:
     """After two tasks and one step into the third (its proxy head and set mid-training): a fresh method walked to the
     same position by the loop's replay takes the state_dict back exactly, and predicts the same."""
-    method, rt = build()
-    for task in rt.benchmark.tasks[:2]:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=1)
-        method.after_task(task)
-    task = rt.benchmark.tasks[2]
-    method.before_task(task)
-    phase = method.phases(task, 1)[0]
-    method.before_phase(task, phase)
-    optimizer = build_optimizer(method, task, phase, rt.cfg.trainer)
-    x, y = rt.benchmark.train[2].batch(None, 0, 16)
-    train_step(method, task, rt, x, y, optimizer=optimizer, params=stepped(optimizer))
+    method, rt = build("trainer.epochs=1")
+    one_step_into(method, rt, 2)
     state = method.state_dict()
     assert any("proxy" in k for k in state) and any(".sets.2." in k for k in state)
-    fresh, _ = build("seed=5")
-    replay(fresh, rt.benchmark.tasks, Position(task=2, step=0, cursor=Cursor(phase=0)), epochs=1)
-    fresh.load_state_dict(state)
-    for key, value in fresh.state_dict().items():
-        assert torch.equal(value, state[key]), key
-    probe = rt.test_tf(rt.benchmark.test[0].x)
-    assert torch.equal(fresh.eval().predict(probe, None), method.eval().predict(probe, None))
+    assert_replays(method, build("seed=5", "trainer.epochs=1")[0], rt, 2)
 
 
 def test_the_artifacts_are_the_prototypes_and_the_adapter_sets() -> None:

@@ -29,6 +29,8 @@ from test_resume import CHECKPOINTED, matrices
 
 TINY_RUN = (*TINY, "data.num_tasks=2", "trainer.epochs=1")
 
+SLOW = pytest.mark.slow
+
 
 def snapshot(folder: Path) -> dict[str, bytes]:
     """Every file of a run folder, by relative path."""
@@ -90,12 +92,13 @@ def test_a_refused_run_leaves_the_folder_byte_identical(tmp_path: Path) -> None:
     ("overrides", "why"),
     [
         ((), "holds a finished run already"),  # a valid run: never written over a finished one
-        (
-            ("method=bic", "memory.size=null", "memory.per_class=1"),
-            "holds a finished run already",
-        ),  # crashed after task 0, before
+        pytest.param(  # crashed after task 0, before (12 s each: BiC's and KSM's cases in make test-all)
+            ("method=bic", "memory.size=null", "memory.per_class=1"), "holds a finished run already", marks=SLOW
+        ),
         (("method=gdumb", "memory.sampler=reservoir"), "`memory.sampler`: 'reservoir'"),  # crashed at task 0's fit
-        (("method=ksm", "method.group=3"), "holds a finished run already"),  # a value only the built model refuses
+        pytest.param(  # a value only the built model refuses
+            ("method=ksm", "method.group=3"), "holds a finished run already", marks=SLOW
+        ),
     ],
 )
 def test_no_later_run_changes_a_finished_runs_folder(tmp_path: Path, overrides: tuple[str, ...], why: str) -> None:
@@ -327,9 +330,13 @@ METHODS = ALL_METHODS
 # tests/test_tuna.py) or artifacts (MOS's, tests/test_mos.py) do, has its drawn point in make test-all (the default
 # suite's budget)
 CHOSEN_POINTS = ("simplecil", "packnet", "hat", "meat", "l2p", "supsup", "aper", "ranpac", "sdlora", "inflora", "min")
+# the mask survey's APD, CTR and KSM (5-6 s each): TFM's drawn point stays for the family
+SURVEY_DRAWN_SLOW = ("apd", "ctr", "ksm")
 
 
-@pytest.mark.parametrize("method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, "ease", "mos", "tuna", "hide")))
+@pytest.mark.parametrize(
+    "method", baselines_slow(METHODS, also=(*CHOSEN_POINTS, *SURVEY_DRAWN_SLOW, "ease", "mos", "tuna", "hide"))
+)
 def test_a_crash_at_a_seeded_random_point_resumes_to_the_uninterrupted_results(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str
 ) -> None:

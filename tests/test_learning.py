@@ -69,6 +69,8 @@ LONG_FIRST_TASK |= {"aper", "ranpac", "ease", "min", "mos", "tuna", "hide"}
 # MEAT's first task (about 50 s beside the other worker: its default recipe's token and weight masks), Joint's and
 # TFM's (12-14 s): their learning in make test-all, their rules and crash-and-resume runs in the default suite
 LONG_FIRST_TASK |= {"meat", "joint", "tfm"}
+# DualPrompt's and SLCA's (7-9 s); L2P's stays for the prompt family
+LONG_FIRST_TASK |= {"dualprompt", "slca"}
 
 
 @pytest.mark.parametrize(

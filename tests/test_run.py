@@ -238,11 +238,13 @@ def test_heatmap_renders_negative_forgetting() -> None:
 AGAIN_EXTRA = {"packnet": ("method.retrain_epochs=1",), "supsup-gn": ("method.head=masked", "method.outputs=4")}
 
 
-# MIN's artifacts against what its evaluation reads: tests/test_min.py; CODA-Prompt's (17 s) in make test-all, L2P's
-# and DualPrompt's in the default suite
-@pytest.mark.parametrize(
-    "case", [*baselines_slow([m for m in TRAINED if m != "joint"], also=("min", "coda_prompt")), "supsup-gn"]
-)
+# MIN's artifacts against what its evaluation reads: tests/test_min.py. In make test-all (8-17 s each): CODA-Prompt's
+# (L2P's and DualPrompt's in the default suite), SupSup's (its GN variant in it), Piggyback's (PackNet's and HAT's in
+# it) and SD-LoRA's (InfLoRA's in it)
+AGAIN_SLOW = ("min", "coda_prompt", "supsup", "piggyback", "sdlora")
+
+
+@pytest.mark.parametrize("case", [*baselines_slow([m for m in TRAINED if m != "joint"], also=AGAIN_SLOW), "supsup-gn"])
 def test_a_finished_run_evaluates_again_from_its_folder(tmp_path: Path, case: str) -> None:
     method = case.split("-", maxsplit=1)[0]
     overrides = (

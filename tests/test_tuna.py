@@ -12,16 +12,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from clbench.checkpoint import Cursor, Position
 from clbench.data import Task
 from clbench.errors import ConfigError
 from clbench.loop.optim import build_optimizer
-from clbench.loop.resume import finish_untrained, replay
+from clbench.loop.resume import finish_untrained
 from clbench.loop.runtime import build_runtime
 from clbench.loop.step import train_step
 from clbench.loop.task import run_task
 from clbench.methods import tuna
-from conftest import tiny_config
+from conftest import assert_replays, one_step_into, optimized, tiny_config
 from oracles import tuna_reference as ref
 
 # Small alignments: a few samples a class, two epochs.
@@ -55,10 +54,6 @@ def trained_through(method, rt, upto: int) -> None:
 
 def set_state(method, k: int) -> dict[str, torch.Tensor]:
     return {n: v.clone() for n, v in method.sets.state(".").items() if n.startswith(f".{k}.")}
-
-
-def stepped(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 # ----------------------------------------------------------------------------- the rules on small tensors
@@ -197,13 +192,13 @@ def test_stored_sets_stay_frozen_or_take_the_orthogonality_gradient_as_the_code(
     phase = method.phases(task1, 1)[0]
     method.before_phase(task1, phase)
     optimizer = build_optimizer(method, task1, phase, rt.cfg.trainer)
-    held = {id(p) for p in stepped(optimizer)}
+    held = {id(p) for p in optimized(optimizer)}
     stored_up = {id(bank.sets[1].up.weight) for bank in method.sets.banks}
     own = {id(p) for p in [*method.sets.parameters(2), method.heads[1].weight]}
     assert held == own | (set() if freeze else stored_up)
     for _ in range(3):
         x, y = rt.benchmark.train[1].batch(None, 0, 16)
-        train_step(method, task1, rt, x, y, optimizer=optimizer, params=stepped(optimizer))
+        train_step(method, task1, rt, x, y, optimizer=optimizer, params=optimized(optimizer))
     after = set_state(method, 1)
     moved = {name for name in before if not torch.equal(before[name], after[name])}
     assert moved == (set() if freeze else {n for n in before if n.endswith("up.weight")})
@@ -226,7 +221,7 @@ def test_the_alignment_trains_every_head_on_20_cos_of_the_drawn_features() -> No
     assert align.name == "align" and align.data == "features" and align.trainer["cosine_epochs"] is None
     method.before_phase(task, align)
     optimizer = build_optimizer(method, task, align, rt.cfg.trainer)
-    assert {id(p) for p in stepped(optimizer)} == {id(h.weight) for h in method.heads}
+    assert {id(p) for p in optimized(optimizer)} == {id(h.weight) for h in method.heads}
     drawn = method.drawn_split(task, align, 0)
     loss, _ = method.training_loss(drawn.x, drawn.y, task)
     weights = [h.weight for h in method.heads]
@@ -239,23 +234,10 @@ def test_a_checkpoint_replay_restores_every_set_and_gaussian_mid_task_too() -> N
     takes the state_dict back exactly (task sets, universal adapter, heads, class Gaussians), and predicts the
     same."""
     method, rt = build("trainer.epochs=1")
-    trained_through(method, rt, 1)
-    task = rt.benchmark.tasks[2]
-    method.before_task(task)
-    phase = method.phases(task, 1)[0]
-    method.before_phase(task, phase)
-    optimizer = build_optimizer(method, task, phase, rt.cfg.trainer)
-    x, y = rt.benchmark.train[2].batch(None, 0, 16)
-    train_step(method, task, rt, x, y, optimizer=optimizer, params=stepped(optimizer))
+    one_step_into(method, rt, 2)
     state = method.state_dict()
     assert any(".sets.3." in k for k in state) and any(k.startswith("aligner.tasks.1.") for k in state)
-    fresh, _ = build("seed=5", "trainer.epochs=1")
-    replay(fresh, rt.benchmark.tasks, Position(task=2, step=0, cursor=Cursor(phase=0)), epochs=1)
-    fresh.load_state_dict(state)
-    for key, value in fresh.state_dict().items():
-        assert torch.equal(value, state[key]), key
-    probe = rt.test_tf(rt.benchmark.test[0].x)
-    assert torch.equal(fresh.eval().predict(probe, None), method.eval().predict(probe, None))
+    assert_replays(method, build("seed=5", "trainer.epochs=1")[0], rt, 2)
 
 
 def test_the_artifacts_storage_and_recorded_options() -> None:

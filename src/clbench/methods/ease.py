@@ -43,9 +43,9 @@ from torch import nn
 
 from clbench.config import require
 from clbench.data import Benchmark, Task
-from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.adapter_set_learner import AdapterSetLearner
+from clbench.methods.base import Logs, Phase
 from clbench.methods.first_session import vit_features
-from clbench.methods.parts.adapter_sets import AdapterSets
 from clbench.methods.parts.adaptformer import AdapterConfig
 from clbench.methods.parts.cosine import CosineHead, cosine_logits
 
@@ -67,17 +67,14 @@ class EASEConfig(AdapterConfig):
         require(self.beta >= 0, "method.beta", self.beta, ">= 0")
 
 
-class EASE(Method):
+class EASE(AdapterSetLearner):
     """``heads[t].weight`` holds task ``t``'s prototypes, (classes, subspaces, d) flattened over every subspace the
     run can have (a subspace not there yet is zeros); the adapter sets live in the backbone's blocks."""
 
     Config = EASEConfig
-    changes_backbone = False  # the pretrained weights never change; the adapter sets are saved on their own
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: EASEConfig) -> None:
         super().__init__(backbone, benchmark, config)
-        backbone.requires_grad_(False)
-        self.sets = AdapterSets(backbone, config)
         self.ptm = config.ptm_block or config.aper_mode  # moni_adam sets use_init_ptm (L39-42)
         self.trained_sets = 1 if config.aper_mode else len(self.tasks)  # adapter sets the run trains
         self.width = int(self.ptm) + self.trained_sets  # subspaces a prototype can have
@@ -273,11 +270,3 @@ class EASE(Method):
     def extra_results(self) -> dict[str, Any]:
         mode = "aper (moni_adam: only adapter 0, plain cosine)" if self.config.aper_mode else "ease"
         return {"ease": {"mode": mode, "subspaces": len(self.subspaces()), "ptm_block": self.ptm}}
-
-    def artifacts(self) -> dict[str, torch.Tensor]:
-        return super().artifacts() | self.sets.state("adapters.")
-
-    @torch.no_grad()
-    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().load_artifacts(tensors)
-        self.sets.load(tensors, "adapters.")

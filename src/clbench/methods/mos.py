@@ -47,9 +47,10 @@ from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Split, Task
-from clbench.methods.base import HEAD_INITS, Logs, Method, Phase, init_head
+from clbench.methods.adapter_set_learner import AdapterSetLearner
+from clbench.methods.base import HEAD_INITS, Logs, Phase, init_head
 from clbench.methods.first_session import vit_features
-from clbench.methods.parts.adapter_sets import AdapterSets, SetSums, pull
+from clbench.methods.parts.adapter_sets import SetSums, pull
 from clbench.methods.parts.adaptformer import AdapterConfig
 from clbench.methods.parts.cosine import cosine_logits
 from clbench.methods.parts.gaussian_alignment import AlignmentConfig, GaussianAligner
@@ -104,18 +105,15 @@ class Prototypes(nn.Module):
         self.register_buffer("weight", torch.zeros(num_classes, dim, device=device))
 
 
-class MOS(Method):
+class MOS(AdapterSetLearner):
     """``heads[t]`` is the code's head rows of task t's classes; ``prototypes[t]`` its cosine classifier's; the adapter
     sets live in the backbone's blocks (set t is task t's; in ``official`` mode set t + 1 is ``cur_adapter`` from
     the statistics pass on)."""
 
     Config = MOSConfig
-    changes_backbone = False  # the pretrained weights never change; the adapter sets are saved on their own
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: MOSConfig) -> None:
         super().__init__(backbone, benchmark, config)
-        backbone.requires_grad_(False)
-        self.sets = AdapterSets(backbone, config)
         self.sums = SetSums()
         self.prototypes = nn.ModuleList()
         self.aligner = GaussianAligner(config.alignment, backbone.num_features)
@@ -409,12 +407,11 @@ class MOS(Method):
 
     def artifacts(self) -> dict[str, torch.Tensor]:
         protos = {f"prototypes.{t}": p.weight.detach().clone() for t, p in enumerate(self.prototypes)}
-        return super().artifacts() | self.sets.state("adapters.") | self.sums.state("sums.") | protos
+        return super().artifacts() | self.sums.state("sums.") | protos
 
     @torch.no_grad()
     def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
         super().load_artifacts(tensors)
-        self.sets.load(tensors, "adapters.")
         self.sums.load(self.sets, tensors, "sums.")
         for t, head in enumerate(self.heads):
             self.prototypes.append(Prototypes(head.out_features, self.backbone.num_features, head.weight.device))

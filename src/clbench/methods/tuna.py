@@ -53,7 +53,8 @@ from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Split, Task
-from clbench.methods.base import Logs, Method, Phase
+from clbench.methods.adapter_set_learner import AdapterSetLearner
+from clbench.methods.base import Logs, Phase
 from clbench.methods.first_session import vit_features
 from clbench.methods.parts.adapter_sets import AdapterSets
 from clbench.methods.parts.adaptformer import AdapterConfig
@@ -119,17 +120,14 @@ class TUNAConfig(AdapterConfig):
         require_choice("method.adapter_init", self.adapter_init, ("continue", "fresh"))
 
 
-class TUNA(Method):
+class TUNA(AdapterSetLearner):
     """``heads[t]``: task t's bias-free cosine head; the adapter sets live in the backbone's blocks (set 0 the
     universal adapter, set t + 1 task t's); ``aligner`` the class Gaussians."""
 
     Config = TUNAConfig
-    changes_backbone = False  # the pretrained weights never change; the adapter sets are saved on their own
 
     def __init__(self, backbone: VisionTransformer, benchmark: Benchmark, config: TUNAConfig) -> None:
         super().__init__(backbone, benchmark, config)
-        backbone.requires_grad_(False)
-        self.sets = AdapterSets(backbone, config)
         self.sets.freeze(self.sets.add())  # the universal adapter's slot, merged after every task from the second
         self.aligner = GaussianAligner(config.alignment, backbone.num_features)
         self.stage = "train"
@@ -321,14 +319,6 @@ class TUNA(Method):
                 "path": path,
             }
         }
-
-    def artifacts(self) -> dict[str, torch.Tensor]:
-        return super().artifacts() | self.sets.state("adapters.")
-
-    @torch.no_grad()
-    def load_artifacts(self, tensors: dict[str, torch.Tensor]) -> None:
-        super().load_artifacts(tensors)
-        self.sets.load(tensors, "adapters.")
 
 
 @torch.no_grad()
