@@ -184,14 +184,20 @@ def trained_task_by_task(cfg: RunConfig) -> tuple:
     """The run's method (in eval mode) and runtime after every task trained as the loop runs it: ``before_task``, the
     task's phases (``run_task``), ``after_task``."""
     from clbench.loop.runtime import build_runtime
-    from clbench.loop.task import run_task
 
     method, rt = build_runtime(cfg)
-    for task in rt.benchmark.tasks:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=cfg.trainer.epochs)
-        method.after_task(task)
+    train_tasks(method, rt, len(rt.benchmark.tasks))
     return method.eval(), rt
+
+
+def train_tasks(method, rt, count: int) -> None:
+    """The run's first ``count`` tasks trained as the loop trains them (``rt.cfg.trainer.epochs``)."""
+    from clbench.loop.task import run_task
+
+    for task in rt.benchmark.tasks[:count]:
+        method.before_task(task)
+        run_task(method, task, rt, epochs=rt.cfg.trainer.epochs)
+        method.after_task(task)
 
 
 def optimized(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
@@ -204,12 +210,8 @@ def one_step_into(method, rt, task_id: int) -> None:
     ``task_id``'s first phase on its first 16 images: a checkpoint's position mid-task."""
     from clbench.loop.optim import build_optimizer
     from clbench.loop.step import train_step
-    from clbench.loop.task import run_task
 
-    for task in rt.benchmark.tasks[:task_id]:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=rt.cfg.trainer.epochs)
-        method.after_task(task)
+    train_tasks(method, rt, task_id)
     task = rt.benchmark.tasks[task_id]
     method.before_task(task)
     phase = method.phases(task, rt.cfg.trainer.epochs)[0]

@@ -22,7 +22,7 @@ from clbench.loop.runtime import build_runtime
 from clbench.loop.task import run_task
 from clbench.methods.base import Phase
 from clbench.methods.mos import MOS
-from conftest import tiny_config
+from conftest import tiny_config, train_tasks
 from oracles import mos_reference as ref
 
 STATS = Phase("statistics", 1, observe=True)
@@ -290,10 +290,7 @@ def test_a_trained_runs_artifacts_predict_as_it_does(mode: str) -> None:
     """Heads, adapter sets, prefix sums and prototypes from the artifacts give a fresh method the same predictions."""
     overrides = (f"method.merge_mode={mode}", "trainer.epochs=1", "method.alignment.epochs=1")
     method, rt = build(*overrides, "method.alignment.samples_per_class=8", "method.alignment.batch_size=8")
-    for task in rt.benchmark.tasks[:2]:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=1)
-        method.after_task(task)
+    train_tasks(method, rt, 2)
     method.eval()
     saved = method.artifacts()
     x = rt.test_tf(torch.cat([split.x[:4] for split in rt.benchmark.test]))
@@ -324,10 +321,7 @@ def test_official_predictions_depend_on_the_evaluations_before_them() -> None:
     """Official mode: the same batch evaluated twice gives other logits (its stored set drifted in between), which is
     why it is declared batch-level; the default passes tests/test_honest_evaluation.py."""
     method, rt = build("method.merge_mode=official", "trainer.epochs=1", "method.alignment.epochs=0")
-    for task in rt.benchmark.tasks[:2]:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=1)
-        method.after_task(task)
+    train_tasks(method, rt, 2)
     method.eval()
     x = rt.test_tf(rt.benchmark.test[1].x[:4])
     first = scenario_logits(method, x, 1, SCENARIOS, "seen")["til"]

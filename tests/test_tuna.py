@@ -18,9 +18,8 @@ from clbench.loop.optim import build_optimizer
 from clbench.loop.resume import finish_untrained
 from clbench.loop.runtime import build_runtime
 from clbench.loop.step import train_step
-from clbench.loop.task import run_task
 from clbench.methods import tuna
-from conftest import assert_replays, one_step_into, optimized, tiny_config
+from conftest import assert_replays, one_step_into, optimized, tiny_config, train_tasks
 from oracles import tuna_reference as ref
 
 # Small alignments: a few samples a class, two epochs.
@@ -43,13 +42,6 @@ def started(*overrides: str, tasks: int = 3, seed: int = 0):
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
         finish_untrained(method, task)
     return method.eval(), rt
-
-
-def trained_through(method, rt, upto: int) -> None:
-    for task in rt.benchmark.tasks[: upto + 1]:
-        method.before_task(task)
-        run_task(method, task, rt, epochs=rt.cfg.trainer.epochs)
-        method.after_task(task)
 
 
 def set_state(method, k: int) -> dict[str, torch.Tensor]:
@@ -184,7 +176,7 @@ def test_stored_sets_stay_frozen_or_take_the_orthogonality_gradient_as_the_code(
     tensor, and only those get a gradient); after task 1 task 0's set is bit-identical (true) or only its
     up-projection moved (false)."""
     method, rt = build(f"method.freeze_old_adapters={str(freeze).lower()}", "trainer.epochs=1")
-    trained_through(method, rt, 0)
+    train_tasks(method, rt, 1)
     task1 = rt.benchmark.tasks[1]
     method.before_task(task1)
     assert all(torch.equal(a, b) for a, b in zip(method.sets.parameters(1), method.sets.parameters(2), strict=True))
@@ -206,7 +198,7 @@ def test_stored_sets_stay_frozen_or_take_the_orthogonality_gradient_as_the_code(
 
 def test_adapter_init_fresh_starts_each_task_at_the_pretrained_vit() -> None:
     method, rt = build("method.adapter_init=fresh", "trainer.epochs=1")
-    trained_through(method, rt, 0)
+    train_tasks(method, rt, 1)
     method.before_task(rt.benchmark.tasks[1])
     assert all(bank.sets[2].up.weight.abs().sum() == 0 for bank in method.sets.banks)
     assert any(bank.sets[1].up.weight.abs().sum() > 0 for bank in method.sets.banks)

@@ -24,6 +24,13 @@ import torch.distributed as dist
 from torch import nn
 
 
+def share_bounds(n: int, size: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s contiguous rows [lo, hi) of a batch of ``n`` split over ``size`` ranks: ceil(n / size) each, the
+    last ones short or empty."""
+    per = -(-n // size)
+    return min(rank * per, n), min((rank + 1) * per, n)
+
+
 @dataclass(frozen=True)
 class Ranks:
     """This process's place in the run: ``rank`` of ``size`` (a single process is rank 0 of 1)."""
@@ -41,8 +48,7 @@ class Ranks:
         left without samples (a last batch smaller than the world) takes one sample with weight 0."""
         if self.size == 1:
             return slice(None), 1.0
-        per = -(-n // self.size)
-        lo, hi = min(self.rank * per, n), min((self.rank + 1) * per, n)
+        lo, hi = share_bounds(n, self.size, self.rank)
         if lo == hi:
             return slice(0, 1), 0.0
         return slice(lo, hi), (hi - lo) * self.size / n

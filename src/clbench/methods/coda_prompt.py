@@ -35,7 +35,7 @@ from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.base import HEAD_INITS, Logs
-from clbench.methods.prompting import PromptMethod, log, within_depth
+from clbench.methods.prompting import PromptMethod, log, within_depth, wrap_prefix_layers
 
 
 @dataclass
@@ -103,7 +103,7 @@ class CODAPrompt(PromptMethod):
             )
         self.per_task = usable // tasks
         self.layers = within_depth("method.layers", config.layers, len(backbone.blocks))
-        self.prefixed = self.wrap_prefix_layers(self.layers)
+        self.prefixed = wrap_prefix_layers(backbone, self.layers)
         m, device = self.per_task * tasks, backbone.pos_embed.device
 
         def pool(*shape: int) -> nn.ParameterList:

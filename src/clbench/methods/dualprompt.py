@@ -38,7 +38,14 @@ from clbench.config import require, require_choice
 from clbench.data import Benchmark, Task
 from clbench.errors import ConfigError
 from clbench.methods.base import HEAD_INITS
-from clbench.methods.prompting import PromptMethod, cosine, prompt_init, top_k_by_key, within_depth
+from clbench.methods.prompting import (
+    PromptMethod,
+    cosine,
+    prompt_init,
+    top_k_by_key,
+    within_depth,
+    wrap_prefix_layers,
+)
 
 
 @dataclass
@@ -94,7 +101,8 @@ class DualPrompt(PromptMethod):
         self.g_prompt = param(len(self.g_layers), sides, config.g_length, width)
         self.e_prompt = param(len(self.e_layers), pool, sides, config.e_length, width)
         self.keys = param(pool, width)
-        self.prefixed = self.wrap_prefix_layers(sorted({*self.g_layers, *self.e_layers})) if config.prefix else {}
+        layers = sorted({*self.g_layers, *self.e_layers})
+        self.prefixed = wrap_prefix_layers(backbone, layers) if config.prefix else {}
 
     def prompt_parameters(self) -> dict[str, nn.Parameter]:
         return {"g_prompt": self.g_prompt, "e_prompt": self.e_prompt, "keys": self.keys}

@@ -47,6 +47,7 @@ from torch import nn
 
 from clbench.config import require, require_choice
 from clbench.data import Benchmark, Split, Task
+from clbench.distributed import share_bounds
 from clbench.methods.adapter_set_learner import AdapterSetLearner
 from clbench.methods.base import HEAD_INITS, Logs, Phase, init_head
 from clbench.methods.first_session import vit_features
@@ -262,9 +263,8 @@ class MOS(AdapterSetLearner):
             return feats, 1.0
         size = self.batch_share[0] if self.batch_share else len(feats)
         world = dist.get_world_size()
-        per = -(-size // world)
-        shares = [max(0, min((r + 1) * per, size) - min(r * per, size)) for r in range(world)]
-        padded = F.pad(feats, (0, 0, 0, per - len(feats)))
+        shares = [hi - lo for lo, hi in (share_bounds(size, world, r) for r in range(world))]
+        padded = F.pad(feats, (0, 0, 0, -(-size // world) - len(feats)))
         parts = dist_nn.all_gather(padded)
         mine = shares[dist.get_rank()]
         return torch.cat([p[:n] for p, n in zip(parts, shares, strict=True)]), (size / (mine * world) if mine else 0.0)

@@ -152,10 +152,6 @@ class PromptMethod(Method):
         """What the method trains besides the heads, by name (saved in the run's artifacts under these names)."""
         raise NotImplementedError
 
-    def wrap_prefix_layers(self, layers: list[int]) -> dict[int, PrefixAttention]:
-        """Prefix attention in each of ``layers``' blocks (parameters stay the backbone's)."""
-        return wrap_prefix_layers(self.backbone, layers)
-
     def select(self, q: torch.Tensor, task: Task | None) -> torch.Tensor:
         """The prompts (B, k) each sample uses; ``task`` is set while training it."""
         raise NotImplementedError
