@@ -80,8 +80,9 @@ def cosface(cosines: torch.Tensor, y: torch.Tensor, scale: float, margin: float)
 
 def up_projection_overlap(current: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
     """|mean_{a,b} <u_a, v_b>| of the unit rows of two up-projection weights (d x r): one block's term of the
-    orthogonality loss (``orth_loss`` L225-230)."""
-    return (F.normalize(current, dim=1) @ F.normalize(stored, dim=1).T).mean().abs()
+    orthogonality loss (``orth_loss`` L225-230). The mean of the d x d Gram is the inner product of the two mean rows,
+    so the Gram the code forms is never built."""
+    return (F.normalize(current, dim=1).mean(0) @ F.normalize(stored, dim=1).mean(0)).abs()
 
 
 def entropy(logits: torch.Tensor) -> torch.Tensor:
