@@ -3,6 +3,7 @@ training step on CPU (with a shrunken backbone: the data pipeline, transforms an
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from scipy.io import savemat
 
 from clbench.config import DataConfig, validate
 from clbench.data import build_benchmark
+from clbench.data.split_lists import lists_path, read_split_lists
 from clbench.errors import DataError
 from clbench.loop.optim import build_optimizer
 from clbench.loop.runtime import Runtime, build_runtime
@@ -322,7 +324,6 @@ def test_the_l2p_five_datasets_preset_takes_a_step_on_its_files(tmp_path: Path) 
     "preset",
     [
         "dualprompt_imagenet_r_paper",
-        "coda_prompt_imagenet_r_paper",
         "hide_imagenet_r_10tasks",
         "hide_lora_imagenet_r_10tasks",
     ],
@@ -339,6 +340,28 @@ def test_the_imagenet_r_prompt_presets_read_the_wnid_folders_in_sorted_order_and
     assert [name for task in rt.benchmark.tasks for name in task.class_names] == wnids
     assert torch.isfinite(first_step(method, rt))
     assert rt.test_tf(rt.benchmark.test[0].x[:2]).shape == (2, 3, 224, 224)
+
+
+@pytest.mark.slow
+def test_the_coda_prompt_imagenet_r_preset_reads_codas_own_split_in_its_label_order_and_takes_a_step(
+    tmp_path: Path,
+) -> None:
+    """Every image that CODA-Prompt's lists name, as 1-pixel PNGs at <root>/imagenet-r/<wnid>/<file>: the preset reads
+    exactly its 24,000 / 6,000 images in 10 tasks of 20, its classes in the lists' label order, unshuffled."""
+    lists = read_split_lists("coda_imagenet_r")
+    pixel = tmp_path / "pixel.png"
+    Image.new("RGB", (1, 1)).save(pixel)
+    for path in lists.train + lists.test:
+        (tmp_path / "imagenet-r" / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "imagenet-r" / path).write_bytes(pixel.read_bytes())
+    overrides = ("experiment=coda_prompt_imagenet_r_paper", f"data.root={tmp_path}", *SHRINK, *PROMPT_DEPTH)
+    method, rt = build_runtime(validate(compose_config(*overrides, "data.store=device", "data.store_size=32")))
+    assert [name for task in rt.benchmark.tasks for name in task.class_names] == lists.classes
+    assert (sum(len(s.y) for s in rt.benchmark.train), sum(len(s.y) for s in rt.benchmark.test)) == (24000, 6000)
+    assert (
+        rt.benchmark.splits[0]["lists_sha256"] == hashlib.sha256(lists_path("coda_imagenet_r").read_bytes()).hexdigest()
+    )
+    assert torch.isfinite(first_step(method, rt))
 
 
 def test_every_paper_preset_is_found_by_its_method_name() -> None:

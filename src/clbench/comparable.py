@@ -40,6 +40,7 @@ LATER_KEYS: dict[str, Any] = {
     "data.protocol": "clbench",
     "data.transforms": "clbench",
     "data.folder_split": "auto",
+    "data.split_lists": None,
     "data.init_classes": None,
     "data.increment": None,
 }
@@ -66,6 +67,7 @@ PROTOCOL = (
     "data.split_seed",
     "data.test_fraction",
     "data.folder_split",
+    "data.split_lists",
     "data.synthetic_classes",
     "data.synthetic_train_per_class",
     "data.synthetic_test_per_class",

@@ -22,7 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from clbench import metrics
-from clbench.errors import ClbenchError, ConfigError
+from clbench.errors import ClbenchError, ConfigError, DataError
 
 
 def config_dir() -> Path:
@@ -95,6 +95,9 @@ class DataConfig:
     # seeded) | own (they must be there: a split archive) | seeded (per class by split_seed; refused where the folder
     # has train/ and test/, which would be another split's files)
     folder_split: str = "auto"
+    # folder_split=lists: the fixed train/test file lists of <folder>/<class>/* to read, by the name of a split that
+    # clbench ships (coda_imagenet_r: CODA-Prompt's ImageNet-R lists) or the path of a lists file (.json or .json.gz)
+    split_lists: str | None = None
     datasets: list[str] = field(default_factory=list)  # source=sequence: built-in source names or folders under root
     store_size: int | None = None  # image folders and sequences: images stored RGB at this square size
     test_fraction: float = 0.2  # folders without train/test sub-folders: the seeded per-class test share
@@ -196,10 +199,38 @@ class DataConfig:
         require(self.synthetic_channels in (1, 3), "data.synthetic_channels", self.synthetic_channels, "1 or 3")
         self._check_protocol()
 
+    def _check_split_lists(self) -> None:
+        """data.split_lists goes with folder_split=lists, names lists that exist, and D-coda means CODA's lists."""
+        from clbench.data.split_lists import lists_path, shipped_names
+
+        lists = self.folder_split == "lists"
+        require(
+            (self.split_lists is not None) == lists,
+            "data.split_lists",
+            self.split_lists,
+            "the lists to read with data.folder_split=lists" if lists else "null unless data.folder_split=lists",
+        )
+        if self.split_lists is not None:
+            require(self.source == "image_folder", "data.source", self.source, "image_folder with data.split_lists")
+            try:
+                found = lists_path(self.split_lists).is_file()
+            except DataError:
+                found = False
+            shipped = ", ".join(shipped_names())
+            require(found, "data.split_lists", self.split_lists, f"a split clbench ships ({shipped}) or a lists file")
+        if self.protocol == "D-coda":
+            require(
+                self.split_lists == "coda_imagenet_r",
+                "data.split_lists",
+                self.split_lists,
+                "coda_imagenet_r with data.protocol=D-coda (CODA-Prompt's lists, data.folder_split=lists)",
+            )
+
     def _check_protocol(self) -> None:
         """The task split rule, the named pipeline and the protocol label: each name means what it says."""
         require_choice("data.protocol", self.protocol, PROTOCOLS)
-        require_choice("data.folder_split", self.folder_split, ("auto", "own", "seeded"))
+        require_choice("data.folder_split", self.folder_split, ("auto", "own", "seeded", "lists"))
+        self._check_split_lists()
         require_choice("data.transforms", self.transforms, ("clbench", "pilot"))
         for key in ("init_classes", "increment"):
             value = getattr(self, key)

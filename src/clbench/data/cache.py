@@ -39,6 +39,7 @@ from clbench.config import DataConfig
 from clbench.data import checksums
 from clbench.data.decoding import LazyImages
 from clbench.data.sources import SourceData, source_folder
+from clbench.data.split_lists import lists_digest
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
 from clbench.errors import DataError
@@ -80,6 +81,7 @@ def cache_key(name: str, cfg: DataConfig, rgb_size: int | None) -> dict[str, Any
         "source": name,
         "rgb_size": rgb_size,
         "options": {k: options[k] for k in (SYNTHETIC if name == "synthetic" else READ)},
+        **({"split_lists": lists_digest(cfg.split_lists)} if cfg.split_lists else {}),  # which images are test images
         "files": file_list_digest(source_folder(name, cfg)),
         "decoders": {"pillow": PIL.__version__, "torchvision": torchvision.__version__, "numpy": np.__version__},
     }

@@ -127,7 +127,8 @@ DATASETS: dict[str, DatasetFiles] = {
     "imagenet-r": DatasetFiles(
         "ImageNet-R, renditions of 200 ImageNet classes",
         "https://people.eecs.berkeley.edu/~hendrycks/imagenet-r.tar",
-        "imagenet-r/<wnid>/*.jpg (the official archive extracted; split 80/20 per class by data.split_seed)",
+        "imagenet-r/<wnid>/*.jpg (the official archive extracted; split 80/20 per class by data.split_seed, or by "
+        "data.split_lists)",
         "2.2 GB",
         False,
         ("imagenet-r",),

@@ -35,6 +35,7 @@ from torchvision.datasets.utils import check_integrity, download_and_extract_arc
 from clbench.config import DataConfig
 from clbench.data.decoding import LazyImages, materialized
 from clbench.data.image_folder import list_classes, list_images, load_images, seeded_split, split_digest
+from clbench.data.split_lists import read_split_lists, require_listed_files
 from clbench.errors import DataError
 
 
@@ -455,9 +456,10 @@ def own_split(folder: Path) -> tuple[Path, Path] | None:
 
 
 def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
-    """An image-folder dataset with its own train/test split, or split per class with ``data.split_seed``
-    (``data.folder_split`` says which it must be). Either way the split is recorded: the seed and the test files'
-    SHA-256, or the classes, counts and SHA-256 of the whole file list (what identifies a split archive's copy)."""
+    """An image-folder dataset with its own train/test split, split by fixed lists (``data.split_lists``), or split
+    per class with ``data.split_seed`` (``data.folder_split`` says which it must be). Either way the split is
+    recorded: the classes, counts and SHA-256 of the file list (what identifies a split archive's copy), the lists'
+    SHA-256, or the seed and the test files' SHA-256."""
     folder = Path(cfg.root).expanduser() / folder_name
     if not folder.is_dir():
         raise DataError(
@@ -473,44 +475,70 @@ def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
             f"The image folder {folder} has no train/ and test/ sub-folders, and data.folder_split=own reads a split "
             f"archive's own split: expected {folder}/train/<class>/* and {folder}/test/<class>/*."
         )
-    if own is not None and cfg.folder_split == "seeded":
+    if own is not None and cfg.folder_split in ("seeded", "lists"):
+        how = "by data.split_seed" if cfg.folder_split == "seeded" else f"by the lists {cfg.split_lists}"
         raise DataError(
             f"The image folder {folder} holds {own[0].name}/ and {own[1].name}/ (a split archive's own split), and "
-            f"data.folder_split=seeded splits {folder}/<class>/* by data.split_seed: another realisation of the "
+            f"data.folder_split={cfg.folder_split} splits {folder}/<class>/* {how}: another realisation of the "
             "benchmark. Keep the two under different data.root folders."
         )
     if own:
-        classes = same_classes(*own)
-        train_files, train_y = list_images(own[0], classes)
-        test_files, test_y = list_images(own[1], classes)
-        require_every_class(own, classes, train_y, test_y)
-        split = {
-            "folder": folder_name,
-            "split": f"{own[0].name}/ and {own[1].name}/",
-            "classes": len(classes),
-            "train_images": len(train_files),
-            "test_images": len(test_files),
-            "files_sha256": split_digest(train_files + test_files, folder),
-        }
+        files, split = own_split_files(folder, own)
+    elif cfg.folder_split == "lists":
+        files, split = listed_split_files(folder, cfg)
     else:
-        classes = list_classes(folder)
-        files, labels = list_images(folder, classes)
-        test = seeded_split(labels, cfg.test_fraction, cfg.split_seed)
-        train_files, train_y = [f for f, t in zip(files, test, strict=True) if not t], labels[~test]
-        test_files, test_y = [f for f, t in zip(files, test, strict=True) if t], labels[test]
-        split = {
-            "folder": folder_name,
-            "seed": cfg.split_seed,
-            "test_fraction": cfg.test_fraction,
-            "train_images": len(train_files),
-            "test_images": len(test_files),
-            "test_files_sha256": split_digest(test_files, folder),
-        }
+        files, split = seeded_split_files(folder, cfg)
+    (train_files, train_y, test_files, test_y), classes = files
     if not train_files or not test_files:
         raise DataError(f"{folder} holds no training or no test images (suffixes: jpg, jpeg, png, bmp, ...).")
     train_x = load_images(train_files, cfg.store_size, cfg.decode_workers)
     test_x = load_images(test_files, cfg.store_size, cfg.decode_workers)
+    split = {"folder": folder_name, **split, "train_images": len(train_files), "test_images": len(test_files)}
     return SourceData(train_x, torch.from_numpy(train_y), test_x, torch.from_numpy(test_y), classes, split)
+
+
+# A split's (train files, train labels, test files, test labels) and class names, and what results.json records of it.
+SplitFiles = tuple[tuple[list[Path], np.ndarray, list[Path], np.ndarray], list[str]]
+
+
+def own_split_files(folder: Path, own: tuple[Path, Path]) -> tuple[SplitFiles, dict[str, Any]]:
+    """A split archive's ``train/`` and ``test/`` folders, labelled by the sorted class folder names."""
+    classes = same_classes(*own)
+    train_files, train_y = list_images(own[0], classes)
+    test_files, test_y = list_images(own[1], classes)
+    require_every_class(own, classes, train_y, test_y)
+    record = {
+        "split": f"{own[0].name}/ and {own[1].name}/",
+        "classes": len(classes),
+        "files_sha256": split_digest(train_files + test_files, folder),
+    }
+    return ((train_files, train_y, test_files, test_y), classes), record
+
+
+def listed_split_files(folder: Path, cfg: DataConfig) -> tuple[SplitFiles, dict[str, Any]]:
+    """The images ``data.split_lists`` names, labelled by the lists' own class order."""
+    assert cfg.split_lists is not None  # checked by DataConfig
+    lists = read_split_lists(cfg.split_lists)
+    require_listed_files(folder, lists)
+    train_files, test_files = [folder / p for p in lists.train], [folder / p for p in lists.test]
+    record = {"split": f"lists {lists.name}", "lists_sha256": lists.sha256, "classes": len(lists.classes)}
+    files = (train_files, lists.labels(lists.train), test_files, lists.labels(lists.test))
+    return (files, lists.classes), record
+
+
+def seeded_split_files(folder: Path, cfg: DataConfig) -> tuple[SplitFiles, dict[str, Any]]:
+    """``<class>/*`` split per class, ``test_fraction`` of each class's images drawn by ``split_seed``."""
+    classes = list_classes(folder)
+    files, labels = list_images(folder, classes)
+    test = seeded_split(labels, cfg.test_fraction, cfg.split_seed)
+    train_files = [f for f, t in zip(files, test, strict=True) if not t]
+    test_files = [f for f, t in zip(files, test, strict=True) if t]
+    record = {
+        "seed": cfg.split_seed,
+        "test_fraction": cfg.test_fraction,
+        "test_files_sha256": split_digest(test_files, folder),
+    }
+    return ((train_files, labels[~test], test_files, labels[test]), classes), record
 
 
 def same_classes(train: Path, test: Path) -> list[str]:
