@@ -319,6 +319,24 @@ def test_the_residual_loss_starts_at_the_analytic_heads_cross_entropy() -> None:
     assert analytic.shape[1] == t1.offset + t1.num_classes and analytic.abs().sum() > 0
 
 
+def test_the_codes_first_task_trains_on_its_auxiliary_head_alone() -> None:
+    """The code's task 0 runs its noise phase before any fit (MiN.py L278-281: CE(normal_fc(h), y)): the analytic head,
+    solved by nothing yet, adds nothing to the logits."""
+    method, rt = build_runtime(tiny_config(*SMALL, *OFFICIAL, "data.num_tasks=1"))
+    (t0,) = rt.benchmark.tasks
+    method.before_task(t0)
+    noise = method.phases(t0, 2)[0]
+    assert noise.name == "noise"
+    method.before_phase(t0, noise)
+    x, y = rt.benchmark.train[0].batch(None, 0, 8)
+    x = rt.test_tf(x)
+    method.train()
+    loss, _ = method.training_loss(x, y, t0)
+    with torch.no_grad():
+        h = method.features(x, None)
+    torch.testing.assert_close(loss, F.cross_entropy(method.aux(h), y))
+
+
 def test_the_noise_is_drawn_for_the_whole_batch_and_never_in_evaluation() -> None:
     """Sampling: this rank's rows of the whole batch's draws (a second rank's share gives the single process's rows);
     evaluation and the observe passes draw nothing: one image's logits are the same alone and in a batch."""
