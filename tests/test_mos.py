@@ -7,6 +7,8 @@ drifting ``cur_adapter``; the alignment's draw; its state through artifacts; res
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import math
 
@@ -123,6 +125,40 @@ def test_official_mode_pulls_in_the_training_forward_and_after_the_step() -> Non
     assert distance(code_adapters(method, 1), a0) == pytest.approx(0.81 * distance(a1, a0), rel=1e-5)
     method.after_step(tasks[1])
     assert distance(code_adapters(method, 1), a0) == pytest.approx(0.9**3 * distance(a1, a0), rel=1e-5)
+
+
+def test_official_mode_differentiates_each_block_at_the_weights_it_used() -> None:
+    """The code assigns each pulled adapter's ``.data`` a new tensor, so block l's backward reads the weights block l
+    ran with (pulled l + 1 times), not those left after the forward's last pull: the gradient equals that of a forward
+    through those weights held still (no dropout, so the two forwards match)."""
+    method, rt = build("method.merge_mode=official", "backbone.kwargs.depth=2", "method.adapter_dropout=0")
+    tasks = rt.benchmark.tasks
+    walk(method, tasks[:1])
+    method.before_task(tasks[1])
+    randomise(method, 1, seed=5)
+    method.before_phase(tasks[1], TRAIN)
+    method.param_groups(tasks[1], TRAIN)  # set 1 and its head train
+    still = copy.deepcopy(method)
+    x, y = rt.test_tf(rt.benchmark.train[1].x[:4]), rt.benchmark.train[1].y[:4]
+    method.training_loss(x, y, tasks[1])[0].backward()
+    target = dict(zip(map(id, still.sets.parameters(1)), still.target(1), strict=True))
+    with torch.no_grad():
+        for block, bank in enumerate(still.sets.banks):
+            for p in bank.sets[1].parameters():
+                for _ in range(block + 1):
+                    p.mul_(1 - still.config.adapter_momentum).add_(target[id(p)], alpha=still.config.adapter_momentum)
+    still.config = dataclasses.replace(still.config, adapter_momentum=0.0)  # its forward pulls nothing
+    still.training_loss(x, y, tasks[1])[0].backward()
+    for mine, held in zip(method.sets.parameters(1), still.sets.parameters(1), strict=True):
+        assert mine.grad is not None and mine.grad.any()
+        torch.testing.assert_close(mine.grad, held.grad)
+
+
+def test_official_mode_runs_without_cuda_graphs_and_says_why() -> None:
+    official, _ = build("method.merge_mode=official")
+    default, _ = build()
+    assert "merge_mode=official" in MOS.graph_blocker(official.config)
+    assert MOS.graph_blocker(default.config) is None
 
 
 def test_official_statistics_run_through_a_drifting_copy_that_the_next_task_continues_from() -> None:

@@ -157,6 +157,11 @@ class Method(nn.Module):
         cannot train with or that would record numbers it did not earn; ``cfg`` is the validated config."""
 
     @classmethod
+    def graph_blocker(cls, config: Any) -> str | None:
+        """Why this method's step under ``config`` cannot be replayed as one CUDA graph; None where it can."""
+        return None if cls.graph_safe else "the method draws per-step values on the host"
+
+    @classmethod
     def batch_level(cls, config: Any) -> list[str]:
         """The :attr:`batch_level_options` that ``config`` turns on, as ``method.<key>``: with any, a prediction depends
         on the other images of its batch (results.json's ``evaluation.batch_level``; the run warns)."""

@@ -128,6 +128,13 @@ class MOS(AdapterSetLearner):
                 block.register_forward_pre_hook(self.merge_in_forward)
 
     @classmethod
+    def graph_blocker(cls, config: MOSConfig) -> str | None:
+        """``official`` gives the running set's weights new tensors in every forward (as the code does): a captured step
+        would keep reading the old ones."""
+        official = config.merge_mode == "official" and config.adapter_momentum
+        return "method.merge_mode=official re-points the adapters' weights in every forward" if official else None
+
+    @classmethod
     def batch_level(cls, config: MOSConfig) -> list[str]:
         """``official``: the stored sets drift with every evaluated batch, so a prediction depends on the batches
         evaluated before it."""
@@ -159,7 +166,7 @@ class MOS(AdapterSetLearner):
         k = self.sets.running
         target = None if k is None else self.target(k)
         if target is not None:
-            pull(self.sets.parameters(k), target, self.config.adapter_momentum)
+            pull(self.sets.parameters(k), target, self.config.adapter_momentum, in_place=False)
 
     # ----------------------------------------------------------------------------- lifecycle
     def new_head(self, num_classes: int) -> nn.Linear:

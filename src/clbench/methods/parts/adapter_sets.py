@@ -179,8 +179,12 @@ class SetSums(nn.Module):
 
 
 @torch.no_grad()
-def pull(params: list[torch.Tensor], target: list[torch.Tensor], momentum: float) -> None:
-    """The merge map, in place: p <- (1 - m) p + m target for each tensor (on ``.data``, so it may run between a
-    forward and its backward, as the code's assignment to ``.data`` does)."""
+def pull(params: list[torch.Tensor], target: list[torch.Tensor], momentum: float, *, in_place: bool = True) -> None:
+    """The merge map p <- (1 - m) p + m target for each tensor, on ``.data`` (untracked by autograd). In place keeps
+    the tensors where they are (a captured step's static addresses); ``in_place=False`` assigns ``.data`` a new tensor,
+    as MOS's code does in its forward, so that a block that already used the old values is differentiated at them."""
     for p, t in zip(params, target, strict=True):
-        p.data.mul_(1 - momentum).add_(t.to(p.dtype), alpha=momentum)
+        if in_place:
+            p.data.mul_(1 - momentum).add_(t.to(p.dtype), alpha=momentum)
+        else:
+            p.data = p.data * (1 - momentum) + momentum * t.to(p.dtype)
