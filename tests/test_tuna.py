@@ -196,6 +196,30 @@ def test_stored_sets_stay_frozen_or_take_the_orthogonality_gradient_as_the_code(
     assert moved == (set() if freeze else {n for n in before if n.endswith("up.weight")})
 
 
+@pytest.mark.parametrize("decay", [False, True])
+def test_earlier_heads_stay_or_shrink_under_weight_decay_as_the_code_holds_them(decay: bool) -> None:
+    """The code's optimizer holds every head and its loss takes every head's cosines (L145-146, L188-190): task 0's
+    head gets a zero gradient in task 1, so torch's SGD (momentum buffer 0 at the first step) moves it by
+    -lr * wd * w, along itself: w (1 - lr wd). Without the option it is not in the optimizer and stays bit-identical;
+    the task's own logits are the same either way (the slice of the whole head's cosines)."""
+    method, rt = build(f"method.decay_old_heads={str(decay).lower()}", "trainer.epochs=1", "trainer.weight_decay=0.01")
+    train_tasks(method, rt, 1)
+    task1 = rt.benchmark.tasks[1]
+    method.before_task(task1)
+    phase = method.phases(task1, 1)[0]
+    method.before_phase(task1, phase)
+    optimizer = build_optimizer(method, task1, phase, rt.cfg.trainer)
+    old = method.heads[0].weight
+    (group,) = [g for g in optimizer.param_groups if any(p is method.heads[1].weight for p in g["params"])]
+    assert any(p is old for p in optimized(optimizer)) == decay
+    lr, before = float(group["lr"]), old.detach().clone()
+    assert lr > 0 and group["weight_decay"] > 0
+    x, y = rt.benchmark.train[1].batch(None, 0, 16)
+    train_step(method, task1, rt, x, y, optimizer=optimizer, params=optimized(optimizer))
+    expected = before * (1 - lr * group["weight_decay"]) if decay else before
+    torch.testing.assert_close(old.detach(), expected, rtol=1e-6, atol=1e-7)
+
+
 def test_adapter_init_fresh_starts_each_task_at_the_pretrained_vit() -> None:
     method, rt = build("method.adapter_init=fresh", "trainer.epochs=1")
     train_tasks(method, rt, 1)
@@ -248,10 +272,16 @@ def test_the_artifacts_storage_and_recorded_options() -> None:
                          "class_covariances": 32 * c * d * d}  # fmt: skip
     assert storage["shared_bits"] == {"universal_adapter": 32 * adapter}
     assert storage["trainable_params"] == adapter + rt.benchmark.tasks[1].num_classes * d
-    assert method.extra_results()["tuna"] == {"universal": "emr", "freeze_old_adapters": True, "mean_shrink": "none",
+    assert method.extra_results()["tuna"] == {"universal": "emr", "freeze_old_adapters": True, "decay_old_heads": False,
+                                              "mean_shrink": "none",
                                               "ca_tmax": "epochs", "adapter_init": "continue",
                                               "path": "described method"}  # fmt: skip
-    code = ("method.universal=last", "method.freeze_old_adapters=false", "method.alignment.cosine_epochs=5")
+    code = (
+        "method.universal=last",
+        "method.freeze_old_adapters=false",
+        "method.decay_old_heads=true",
+        "method.alignment.cosine_epochs=5",
+    )
     assert build(*code)[0].extra_results()["tuna"]["path"] == "official code"
 
 

@@ -26,7 +26,7 @@ over the seen classes for every task adapter i; i* the one whose softmax has the
 lowest i); l_u the same through the universal adapter; the score softmax(l_u) + softmax(l_{i*}). t + 2 ViT forwards.
 TIL: the task's own adapter and head, one forward.
 
-The official code departs from that description in four places, each an option whose other value is the code's
+The official code departs from that description in five places, each an option whose other value is the code's
 (results.json ``tuna`` records them):
 
 - ``universal``: the code's universal pass (``adapter_id = t + 1``) runs ``cur_adapter``, i.e. A_t, not the merged
@@ -34,6 +34,10 @@ The official code departs from that description in four places, each an option w
 - ``freeze_old_adapters``: the code's optimizer holds every adapter tensor (L142-147) and the orthogonality term is not
   detached, so the stored sets' up-projections take its gradient and weight decay in every later task: ``false`` |
   ``true`` (stored sets frozen).
+- ``decay_old_heads``: the code's optimizer holds every head (L145-146, ``update(freeze_old=False)``) and its loss takes
+  the cosines of all of them (L188-190), so the earlier heads get a zero gradient and shrink under weight decay and
+  momentum through every later task (their direction, all that a cosine reads, stays; the alignment's steps on them
+  grow as 1 / |w|^2): ``true`` | ``false`` (trained in their task and the alignment only).
 - ``alignment.mean_shrink``: the code's ``decay`` takes the task size with a negative sign (L281, L291-296), shrinking
   the newest classes' means most: ``tuna_code`` | ``slca`` | ``none``.
 - ``alignment.cosine_epochs``: the code's alignment cosine has T_max = 5 whatever ``crct_epochs`` (L278), so the lr
@@ -109,6 +113,7 @@ class TUNAConfig(AdapterConfig):
     reg: float = 1e-3  # its weight, times e^{-(t+1)} (reg)
     universal: str = "emr"  # emr: the merged adapter | last: the last task's (the code's universal pass)
     freeze_old_adapters: bool = True  # false: the stored sets' up-projections go on training (the code)
+    decay_old_heads: bool = False  # true: the earlier heads sit in the optimizer with zero gradient (the code)
     adapter_init: str = "continue"  # continue: task t starts from A_{t-1} (the code) | fresh: W_up = 0
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)  # TUNA's values in conf/method/tuna.yaml
 
@@ -198,7 +203,8 @@ class TUNA(AdapterSetLearner):
         self.requires_grad_(False)
         if phase.name == "align":
             return self.aligner.param_groups(self.heads)
-        params = [*self.sets.parameters(self.task_set(task.id)), *self.heads[task.id].parameters()]
+        heads = self.heads[: task.id + 1] if self.config.decay_old_heads else [self.heads[task.id]]
+        params = [*self.sets.parameters(self.task_set(task.id)), *(p for head in heads for p in head.parameters())]
         if not self.config.freeze_old_adapters and self.config.use_orth:
             params += [w for stored in self.stored_up_projections(task.id) for w in stored]
         for p in params:
@@ -217,7 +223,9 @@ class TUNA(AdapterSetLearner):
         if self.stage == "align":
             sizes = [t.num_classes for t in self.tasks[: task.id + 1]]
             return self.aligner.loss(c.scale * self.seen_logits(x.float()), y, sizes), {}
-        cosines = cosine_logits(vit_features(self.backbone, x), self.heads[task.id].weight)
+        first = 0 if c.decay_old_heads else task.id  # the code's cosines over every head, the task's sliced out
+        weights = torch.cat([head.weight for head in self.heads[first : task.id + 1]])
+        cosines = cosine_logits(vit_features(self.backbone, x), weights)[:, task.offset - self.tasks[first].offset :]
         loss = cosface(cosines, y - task.offset, c.scale, c.margin)
         if not (c.use_orth and task.id):
             return loss, {}
@@ -308,12 +316,13 @@ class TUNA(AdapterSetLearner):
 
     def extra_results(self) -> dict[str, Any]:
         c = self.config
-        code = (c.universal == "last", not c.freeze_old_adapters, c.alignment.cosine_epochs == 5)
+        code = (c.universal == "last", not c.freeze_old_adapters, c.decay_old_heads, c.alignment.cosine_epochs == 5)
         path = "official code" if all(code) else "described method" if not any(code) else "mixed"
         return {
             "tuna": {
                 "universal": c.universal,
                 "freeze_old_adapters": c.freeze_old_adapters,
+                "decay_old_heads": c.decay_old_heads,
                 "mean_shrink": c.alignment.mean_shrink,
                 "ca_tmax": "epochs" if c.alignment.cosine_epochs is None else c.alignment.cosine_epochs,
                 "adapter_init": c.adapter_init,
