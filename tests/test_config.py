@@ -10,7 +10,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from clbench.config import config_dir, validate
 from clbench.errors import ConfigError
-from conftest import compose_config
+from conftest import compose_config, tiny_config
 
 
 def options(group: str) -> list[str]:
@@ -40,6 +40,27 @@ def test_default_is_the_embedded_benchmark() -> None:
 def test_method_recipe_overrides_trainer_defaults_and_cli_overrides_both() -> None:
     assert compose_config("method=joint").trainer.grad_clip == 1.0
     assert compose_config("method=joint", "trainer.grad_clip=2.5").trainer.grad_clip == 2.5
+
+
+CIFAR_STATS = ("backbone.input_mean=[0.5071,0.4867,0.4408]", "backbone.input_std=[0.2675,0.2565,0.2761]")
+
+
+def test_own_input_statistics_normalise_the_pixels_and_are_recorded() -> None:
+    """A code that normalises with its dataset's statistics (HiDe's CIFAR pipeline): the run's transforms take them in
+    place of the weights'; a bad pair is refused, naming the key."""
+    from clbench.loop.runtime import build_runtime
+
+    _, rt = build_runtime(tiny_config("backbone.normalize=true", *CIFAR_STATS))
+    assert rt.test_tf.mean.flatten().tolist() == pytest.approx([0.5071, 0.4867, 0.4408])
+    assert rt.train_tf.std.flatten().tolist() == pytest.approx([0.2675, 0.2565, 0.2761])
+    for overrides, key in (
+        (CIFAR_STATS[:1], "backbone.input_std"),
+        (("backbone.normalize=false", *CIFAR_STATS), "backbone.normalize"),
+        (("backbone.input_mean=[0.5,0.5]", CIFAR_STATS[1]), "backbone.input_mean"),
+        ((CIFAR_STATS[0], "backbone.input_std=[0.2,0.0,0.2]"), "backbone.input_std"),
+    ):
+        with pytest.raises(ConfigError, match=f"`{key}`"):
+            validate(compose_config("backbone.normalize=true", *overrides))
 
 
 @pytest.mark.parametrize(

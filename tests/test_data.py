@@ -213,6 +213,28 @@ def test_deits_per_image_augmentations_draw_per_image_and_give_each_rank_its_sha
     assert torch.equal(plain(images), images.float() / 127.5 - 1)  # both off: nothing changes
 
 
+def test_brightness_scales_each_training_image_as_colorjitter_and_gives_each_rank_its_share() -> None:
+    """torchvision's ColorJitter(brightness=b) multiplies an image by one factor from U[1 - b, 1 + b] and clips: on a
+    grey 100/255 image every pixel of an output is the input times one factor in that range; images get their own
+    factors; the test path and b = 0 leave pixels alone; a rank's share is the same rows of the whole batch."""
+    b = 63 / 255
+    cfg = DataConfig(name="d", source="digits", tasks=5, train_crop="none", hflip=False, brightness=b)
+    tf = DeviceTransform(cfg, 8, (0.0,) * 3, (1.0,) * 3, train=True)
+    images = torch.full((64, 3, 8, 8), 100, dtype=torch.uint8)
+    torch.manual_seed(0)
+    out = tf(images)
+    factors = out[:, 0, 0, 0] / (100 / 255)
+    assert torch.allclose(out, factors.view(-1, 1, 1, 1) * (100 / 255))  # one factor an image, every pixel
+    assert factors.min() >= 1 - b - 1e-6 and factors.max() <= 1 + b + 1e-6 and factors.std() > b / 3
+    assert factors.max() - factors.min() > b  # spread over the range, not one draw
+    torch.manual_seed(0)
+    assert torch.equal(tf(images, slice(10, 20)), out[10:20])
+    white = tf(torch.full((4, 3, 8, 8), 255, dtype=torch.uint8))
+    assert white.max() <= 1.0  # clipped
+    test_tf = DeviceTransform(cfg, 8, (0.0,) * 3, (1.0,) * 3, train=False)
+    assert torch.equal(test_tf(images), images.float() / 255)
+
+
 def test_a_test_resize_below_the_input_size_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"`data.test_resize`: 16"):
         validate(compose_config("data.test_resize=16"))

@@ -16,7 +16,7 @@ from clbench.data import Task
 from clbench.errors import ConfigError
 from clbench.loop.resume import finish_untrained
 from clbench.loop.runtime import build_runtime
-from clbench.methods.hide import HiDe, MlpMapping, inferred_tasks, prefix_layout, proto_loss
+from clbench.methods.hide import HiDe, MlpMapping, grouped_proto_loss, inferred_tasks, prefix_layout, proto_loss
 from clbench.methods.parts import gaussian_alignment as ga
 from conftest import tiny_config
 from oracles import hide_reference as ref
@@ -162,6 +162,19 @@ def test_l_proto_is_the_codes_and_a_hand_value() -> None:
     code = ref.orth_loss(feats, {0: list(centroids[0]), 1: list(centroids[1])}, reg=0.5)
     torch.testing.assert_close(0.5 * proto_loss(feats, centroids.flatten(0, 1), 0.8), code)
     torch.testing.assert_close(proto_loss(feats, torch.zeros(0, 4), 0.8), ref.orth_loss(feats, {}, reg=1.0))
+
+
+def test_l_proto_in_groups_is_the_mean_of_the_codes_per_gpu_losses() -> None:
+    """The code's L_proto is each of 8 GPUs' loss on its own 24 images with every centroid, the gradients averaged by
+    DDP: the mean of the code's orth_loss over the batch's groups (here 4 groups of 3 of a batch of 12)."""
+    gen = torch.Generator().manual_seed(4)
+    centroids, feats = torch.randn(2, 3, 4, generator=gen), torch.randn(12, 4, generator=gen)
+    cls_mean = {0: list(centroids[0]), 1: list(centroids[1])}
+    per_gpu = torch.stack([ref.orth_loss(part, cls_mean, reg=1.0) for part in feats.split(3)]).mean()
+    torch.testing.assert_close(grouped_proto_loss(feats, centroids.flatten(0, 1), 0.8, 3), per_gpu)
+    whole = ref.orth_loss(feats, cls_mean, reg=1.0)  # one group of 12: another weight on the batch's rows
+    assert not torch.allclose(per_gpu, whole)
+    torch.testing.assert_close(grouped_proto_loss(feats, centroids.flatten(0, 1), 0.8, 12), whole)
 
 
 def test_the_lora_update_is_the_codes_per_image_x_a_b_over_r_on_k_and_v() -> None:

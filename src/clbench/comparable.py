@@ -43,6 +43,9 @@ LATER_KEYS: dict[str, Any] = {
     "data.split_lists": None,
     "data.init_classes": None,
     "data.increment": None,
+    "data.brightness": 0.0,
+    "backbone.input_mean": None,
+    "backbone.input_std": None,
 }
 
 # The keys that say what a run was measured on: the benchmark's tasks (its source, which classes, in which order, how

@@ -51,6 +51,7 @@ PILOT_TRANSFORMS = {
     "randaugment_ops": 0,
     "random_erasing": 0.0,
     "test_resize": 256,
+    "brightness": 0.0,
 }
 
 # Sources a class-split benchmark reads (clbench.data.sources.BUILT_IN, plus image_folder); those of image files of any
@@ -126,6 +127,9 @@ class DataConfig:
     # Evaluation: resize to test_resize, then centre-crop the backbone's img_size (Resize(256) + CenterCrop(224), the
     # ImageNet test transform L2P's and DeiT's code use); null: resize straight to img_size.
     test_resize: int | None = None
+    # ColorJitter(brightness=b) on training images: each image's pixels times a factor drawn from U[max(0, 1 - b),
+    # 1 + b], clipped to [0, 1] (HiDe's and SLCA's CIFAR pipelines: 63/255)
+    brightness: float = 0.0
     # Only for source=synthetic: class prototypes plus noise, for tests and timings without files.
     synthetic_classes: int = 10
     synthetic_train_per_class: int = 50  # training images a class
@@ -186,6 +190,7 @@ class DataConfig:
         ok = 0 <= self.randaugment_magnitude <= 30
         require(ok, "data.randaugment_magnitude", self.randaugment_magnitude, "an integer in [0, 30]")
         require(0 <= self.random_erasing <= 1, "data.random_erasing", self.random_erasing, "a probability in [0, 1]")
+        require(0 <= self.brightness < math.inf, "data.brightness", self.brightness, "a float >= 0")
         scale = list(self.resized_crop_scale)
         require(
             len(scale) == 2 and 0 < scale[0] <= scale[1] <= 1,
@@ -276,6 +281,10 @@ class BackboneConfig:
     pretrained: bool = False  # load the tagged weights from the Hugging Face hub (or its cache)
     weights: str | None = None  # a local .safetensors/.pth/.npz checkpoint; no network needed
     normalize: bool = True  # normalise pixels with the weights' mean/std (false: pixels in [0, 1], as L2P)
+    # normalize=true: the mean and std (one per channel) to normalise with instead of the weights' own, as a code that
+    # normalises with its dataset's statistics does (CIFAR-100's: [0.5071, 0.4867, 0.4408], [0.2675, 0.2565, 0.2761])
+    input_mean: list[float] | None = None
+    input_std: list[float] | None = None
     drop_path_rate: float = 0.0  # stochastic depth while training (DeiT-S: 0.1)
     refiner: bool = False  # Refiner attention (expansion, distributed local attention, reduction) in every block
     refiner_expand: int = 3  # expansion ratio of the attention heads (Refiner: 3)
@@ -288,6 +297,7 @@ class BackboneConfig:
         ok = self.refiner_kernel >= 1 and self.refiner_kernel % 2 == 1
         require(ok, "backbone.refiner_kernel", self.refiner_kernel, "an odd integer >= 1")
         require(0 <= self.drop_path_rate < 1, "backbone.drop_path_rate", self.drop_path_rate, "a float in [0, 1)")
+        self._check_input_stats()
         if self.weights is not None:
             require(
                 Path(self.weights).suffix in (".safetensors", ".pth", ".pt", ".bin", ".npz"),
@@ -295,6 +305,18 @@ class BackboneConfig:
                 self.weights,
                 "a path ending in .safetensors, .pth, .pt, .bin or .npz",
             )
+
+    def _check_input_stats(self) -> None:
+        """Own statistics come as a pair, three finite values each (std > 0), and only where pixels are normalised."""
+        given = (self.input_mean is not None, self.input_std is not None)
+        key = "backbone.input_std" if given[0] else "backbone.input_mean"
+        require(given[0] == given[1], key, None, "set together with the other (a mean and a std per channel)")
+        if not given[0]:
+            return
+        require(self.normalize, "backbone.normalize", False, "true with backbone.input_mean and backbone.input_std")
+        for key, values, low in (("input_mean", self.input_mean, -math.inf), ("input_std", self.input_std, 0.0)):
+            ok = len(values) == 3 and all(math.isfinite(v) and v > low for v in values)
+            require(ok, f"backbone.{key}", list(values), "three finite floats" + (" > 0" if low == 0 else ""))
 
 
 @dataclass

@@ -216,8 +216,11 @@ def check_keys(model: VisionTransformer, path: Path) -> None:
 
 
 def input_stats(model: VisionTransformer, cfg: BackboneConfig) -> tuple[tuple[float, ...], tuple[float, ...]]:
-    """The mean/std the weights expect, or identity statistics (pixels in [0, 1]) when not normalising."""
+    """The mean/std the weights expect (or ``backbone.input_mean``/``input_std`` where given), or identity statistics
+    (pixels in [0, 1]) when not normalising."""
     if not cfg.normalize:
         return (0.0, 0.0, 0.0), (1.0, 1.0, 1.0)
+    if cfg.input_mean is not None and cfg.input_std is not None:
+        return tuple(cfg.input_mean), tuple(cfg.input_std)
     pretrained_cfg = model.pretrained_cfg or {}
     return tuple(pretrained_cfg.get("mean", (0.5,) * 3)), tuple(pretrained_cfg.get("std", (0.5,) * 3))

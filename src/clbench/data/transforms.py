@@ -3,6 +3,7 @@
 Training crops, flips and resizes in one ``F.grid_sample`` per batch with a per-sample affine grid:
 ``pad`` shifts each image by up to ``crop_padding`` pixels with zero fill (the CIFAR pad-and-crop recipe),
 ``resized`` samples a RandomResizedCrop box (area ``resized_crop_scale``, aspect ratio 3/4..4/3).
+``data.brightness`` scales each training image's pixels by a drawn factor (torchvision's ColorJitter brightness).
 Optionally, per image as DeiT trains: torchvision's RandAugment (``data.randaugment_ops``) on the cropped image and
 timm's random erasing (``data.random_erasing``) after normalisation; these two loop over the batch's images.
 Evaluation resizes with antialiasing, straight to the backbone's size or (``data.test_resize``) to that size and then
@@ -65,6 +66,8 @@ class DeviceTransform:
             x = (pil_bicubic_center_crop if pilot else resize_center_crop)(x, self.cfg.test_resize, self.out_size)
         elif x.shape[-1] != self.out_size or x.shape[-2] != self.out_size:
             x = F.interpolate(x, size=(self.out_size, self.out_size), mode="bilinear", antialias=True)
+        if self.train and self.cfg.brightness:
+            x = brightness_jitter(x, len(images), slice(None) if per_image else part, self.cfg.brightness)
         if pilot:
             x = eight_bits(x)  # PIL's 8-bit image, then ToTensor
         if self.train and self.cfg.randaugment_ops:
@@ -105,6 +108,14 @@ class DeviceTransform:
         theta[:, 0, 0], theta[:, 0, 2] = scale_x, shift_x
         theta[:, 1, 1], theta[:, 1, 2] = scale_y, shift_y
         return theta
+
+
+def brightness_jitter(x: torch.Tensor, batch: int, part: slice, strength: float) -> torch.Tensor:
+    """torchvision's ColorJitter(brightness=strength) on pixels in [0, 1]: each image times a factor from
+    U[max(0, 1 - strength), 1 + strength], clipped; drawn on the device for the whole batch of ``batch`` images, then
+    cut to ``part`` (a rank's share)."""
+    factors = torch.empty(batch, device=x.device).uniform_(max(0.0, 1 - strength), 1 + strength)[part]
+    return (x * factors.view(-1, 1, 1, 1)).clamp_(0.0, 1.0)
 
 
 def resize_center_crop(x: torch.Tensor, resize: int, crop: int) -> torch.Tensor:

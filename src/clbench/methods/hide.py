@@ -112,6 +112,9 @@ class HiDeConfig:
     lora_momentum: float = 0.1  # m of the LoRA mixture (IN-R script)
     reg: float = 0.5  # weight of L_proto (IN-R 0.5, CIFAR-100 0.1)
     proto_temperature: float = 0.8  # the divisor of M M^T (engine L541)
+    # L_proto over this many equal groups of the batch, each with every centroid, averaged: the code's is each GPU's
+    # loss on its 24 images, averaged by DDP over its 8 (the presets: 8); 1 takes the whole batch at once
+    proto_groups: int = 1
     head_lr_scale: float = 0.1  # the head's lr as a share of the slot's (--larger_prompt_lr)
     head_init: str = "trunc_normal"  # timm's N(0, 0.02), bias 0 (the code's ViT init of its heads)
     ca_steps: str = "seen_classes"  # seen_classes | old_classes (the code's count)
@@ -131,6 +134,7 @@ class HiDeConfig:
         require_choice("method.prompt_init", self.prompt_init, ("uniform", "small"))
         require(self.reg >= 0, "method.reg", self.reg, "a float >= 0")
         require(self.proto_temperature > 0, "method.proto_temperature", self.proto_temperature, "a float > 0")
+        require(self.proto_groups >= 1, "method.proto_groups", self.proto_groups, "an integer >= 1")
         require(self.head_lr_scale > 0, "method.head_lr_scale", self.head_lr_scale, "a float > 0")
         require_choice("method.head_init", self.head_init, HEAD_INITS)
         require_choice("method.ca_steps", self.ca_steps, tuple(CA_STEPS))
@@ -171,6 +175,12 @@ def proto_loss(feats: torch.Tensor, means: torch.Tensor, temperature: float) -> 
     m = torch.cat([means.to(feats.dtype), feats]).float()
     sim = m @ m.T / temperature
     return F.cross_entropy(sim, torch.arange(len(m), device=m.device))
+
+
+def grouped_proto_loss(feats: torch.Tensor, means: torch.Tensor, temperature: float, size: int) -> torch.Tensor:
+    """The mean of :func:`proto_loss` over the batch cut into groups of ``size`` rows, each with every centroid: the
+    code's per-GPU losses as DDP averages their gradients."""
+    return torch.stack([proto_loss(part, means, temperature) for part in feats.split(size)]).mean()
 
 
 def inferred_tasks(logits: torch.Tensor, tasks: list[Task]) -> torch.Tensor:
@@ -396,7 +406,11 @@ class HiDe(Method):
                 logits = self.tii_logits(x.float()) if self.stage == "tii_align" else self.seen_logits(x.float())
                 return (self.tii_aligner if self.stage == "tii_align" else self.tap_aligner).loss(logits, y, sizes), {}
         feats = self.prompted(x, torch.full((len(x),), task.id, device=x.device), training=task)
-        proto = proto_loss(feats, self.tap_aligner.means(task.id), self.config.proto_temperature)
+        batch = (
+            self.batch_share[0] if self.batch_share else len(feats)
+        )  # a rank's groups are cut from the whole batch's
+        size = -(-batch // self.config.proto_groups)
+        proto = grouped_proto_loss(feats, self.tap_aligner.means(task.id), self.config.proto_temperature, size)
         return ce(self.seen_logits(feats), y, task) + self.config.reg * proto, {"proto": proto.detach()}
 
     def drawn_split(self, task: Task, phase: Phase, epoch: int) -> Split:

@@ -116,8 +116,8 @@ def gaussian(
 
 def clustered(feats: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """k-means clusters of one class's features (n, D): each cluster's mean and per-dimension variance (ddof 0) and
-    its size, (k, D), (k, D), (k,). With fewer than k images, each image is a cluster and the rest are empty (size
-    0)."""
+    its size, (k, D), (k, D), (k,); the best of 10 seeded k-means++ starts (scikit-learn 1.0's default, which HiDe's
+    code ran under). With fewer than k images, each image is a cluster and the rest are empty (size 0)."""
     from sklearn.cluster import KMeans  # imported here: only multi-centroid statistics need it
 
     n, dim = feats.shape
@@ -125,7 +125,7 @@ def clustered(feats: np.ndarray, k: int, seed: int) -> tuple[np.ndarray, np.ndar
     found = min(k, n)
     if not found:
         return means, variances, sizes
-    labels = KMeans(n_clusters=found, random_state=seed, n_init="auto").fit(feats).labels_
+    labels = KMeans(n_clusters=found, random_state=seed, n_init=10).fit(feats).labels_
     for j in range(found):
         members = feats[labels == j]
         means[j], variances[j], sizes[j] = members.mean(0), members.var(0), len(members)
