@@ -257,16 +257,19 @@ def test_the_test_path_is_torchvisions_on_pil_images_to_one_8_bit_level() -> Non
     assert levels.max() <= 1 + 1e-4 and (levels > 0.5).float().mean() < 1e-3  # PIL's fixed-point rounding
 
 
-def test_an_image_file_stored_as_its_256_px_centre_square_gives_torchvisions_test_crop(tmp_path: Path) -> None:
-    """500x375: torchvision resizes to 341x256 and crops 224 from 58 px in; clbench stores the centre square at 256
-    and crops 224 from 16 px in: the same region to within the 341.33 -> 341 rounding (a third of a pixel)."""
-    yy, xx = np.mgrid[0:375, 0:500]
-    smooth = np.stack([xx * 255 / 499, yy * 255 / 374, (xx + yy) * 255 / 873], -1).round().astype(np.uint8)
-    Image.fromarray(smooth).save(tmp_path / "a.png")
-    stored = torch.from_numpy(load_image(tmp_path / "a.png", 256))[None]
+@pytest.mark.parametrize("size", [(500, 375), (375, 500), (333, 256), (257, 601)])
+def test_an_image_file_stored_for_pilot_gives_torchvisions_test_crop_exactly(tmp_path: Path, size: tuple) -> None:
+    """torchvision resizes a 500x375 image to 341x256 and crops 224 from 58 px in; clbench stores Resize(256) +
+    CenterCrop(256) (crop from 42 px in) and crops 224 from 16 px in: the same whole pixels, so even a pattern of 8 px
+    along the long side comes out as torchvision's, to PIL's rounding."""
+    w, h = size
+    yy, xx = np.mgrid[0:h, 0:w]
+    stripes = np.stack([(xx // 4 % 2) * 255, (yy // 4 % 2) * 255, (xx + yy) * 255 // (w + h)], -1).astype(np.uint8)
+    Image.fromarray(stripes).save(tmp_path / "a.png")
+    stored = torch.from_numpy(load_image(tmp_path / "a.png", 256, short_side=True))[None]
     out = DeviceTransform(pilot(), 224, (0.0,) * 3, (1.0,) * 3, train=False)(stored)[0]
-    levels = (out - pil_pipeline(Image.fromarray(smooth))).abs() * 255
-    assert out.shape == (3, 224, 224) and levels.mean() < 1.0 and levels.max() <= 3
+    levels = (out - pil_pipeline(Image.fromarray(stripes))).abs() * 255
+    assert out.shape == (3, 224, 224) and levels.max() <= 1 + 1e-4
 
 
 def test_crops_are_drawn_as_torchvisions_random_resized_crop_draws_them() -> None:

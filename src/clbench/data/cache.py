@@ -82,6 +82,7 @@ def cache_key(name: str, cfg: DataConfig, rgb_size: int | None) -> dict[str, Any
         "rgb_size": rgb_size,
         "options": {k: options[k] for k in (SYNTHETIC if name == "synthetic" else READ)},
         **({"split_lists": lists_digest(cfg.split_lists)} if cfg.split_lists else {}),  # which images are test images
+        **({"square": "short_side"} if cfg.transforms == "pilot" else {}),  # how an image file's square is cut
         "files": file_list_digest(source_folder(name, cfg)),
         "decoders": {"pillow": PIL.__version__, "torchvision": torchvision.__version__, "numpy": np.__version__},
     }

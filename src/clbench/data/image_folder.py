@@ -38,19 +38,36 @@ def list_images(folder: Path, classes: list[str]) -> tuple[list[Path], np.ndarra
     return files, np.asarray(labels, dtype=np.int64)
 
 
-def load_image(path: Path, size: int) -> np.ndarray:
-    """RGB, centre-cropped to a square and resized to size x size (bicubic): (3, size, size) uint8."""
+def load_image(path: Path, size: int, *, short_side: bool = False) -> np.ndarray:
+    """RGB, (3, size, size) uint8: the image's centre square resized to size (bicubic), or with ``short_side``
+    torchvision's Resize(size) + CenterCrop(size) on the PIL image (the short side to size, the long one to
+    int(size x long / short), then the centred square at whole-pixel offsets): what PILOT's test path crops from."""
     try:
         with Image.open(path) as img:
-            square = ImageOps.fit(img.convert("RGB"), (size, size), method=Image.Resampling.BICUBIC)
+            rgb = img.convert("RGB")
+            if short_side:
+                square = resized_centre(rgb, size)
+            else:
+                square = ImageOps.fit(rgb, (size, size), method=Image.Resampling.BICUBIC)
             return np.array(square, dtype=np.uint8).transpose(2, 0, 1)  # a copy: writable
     except (OSError, UnidentifiedImageError) as err:
         raise DataError(f"Could not read the image {path} ({err}); remove or replace the file.") from None
 
 
-def load_images(files: list[Path], size: int, workers: int) -> LazyImages:
+def resized_centre(img: Image.Image, size: int) -> Image.Image:
+    """torchvision's Resize(size, bicubic) then CenterCrop(size) of a PIL image."""
+    w, h = img.size
+    short, long = (w, h) if w <= h else (h, w)
+    long = int(size * long / short)
+    w, h = (size, long) if w <= h else (long, size)
+    resized = img.resize((w, h), Image.Resampling.BICUBIC)
+    left, top = round((w - size) / 2), round((h - size) / 2)  # torchvision: int(round(x / 2.0)), half to even
+    return resized.crop((left, top, left + size, top + size))
+
+
+def load_images(files: list[Path], size: int, workers: int, *, short_side: bool = False) -> LazyImages:
     """The images of ``files`` as :func:`load_image` decodes them, on demand."""
-    return LazyImages(len(files), size, workers, lambda i: load_image(files[i], size))
+    return LazyImages(len(files), size, workers, lambda i: load_image(files[i], size, short_side=short_side))
 
 
 def seeded_split(labels: np.ndarray, test_fraction: float, seed: int) -> np.ndarray:

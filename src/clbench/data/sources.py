@@ -439,7 +439,7 @@ def load_cub200_source(cfg: DataConfig) -> SourceData:
         out = []
         for flag in ("1", "0"):
             files = [base / "images" / paths[i].strip() for i in parts[flag]]
-            out += [load_images(files, cfg.store_size, cfg.decode_workers)]
+            out += [load_images(files, cfg.store_size, cfg.decode_workers, short_side=cfg.transforms == "pilot")]
             out += [torch.tensor([int(labels[i]) - 1 for i in parts[flag]], dtype=torch.long)]
     except KeyError as err:
         raise DataError(
@@ -491,8 +491,9 @@ def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
     (train_files, train_y, test_files, test_y), classes = files
     if not train_files or not test_files:
         raise DataError(f"{folder} holds no training or no test images (suffixes: jpg, jpeg, png, bmp, ...).")
-    train_x = load_images(train_files, cfg.store_size, cfg.decode_workers)
-    test_x = load_images(test_files, cfg.store_size, cfg.decode_workers)
+    pilot = cfg.transforms == "pilot"  # the square PILOT's test path crops from
+    train_x = load_images(train_files, cfg.store_size, cfg.decode_workers, short_side=pilot)
+    test_x = load_images(test_files, cfg.store_size, cfg.decode_workers, short_side=pilot)
     split = {"folder": folder_name, **split, "train_images": len(train_files), "test_images": len(test_files)}
     return SourceData(train_x, torch.from_numpy(train_y), test_x, torch.from_numpy(test_y), classes, split)
 
