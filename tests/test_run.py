@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,39 @@ def test_lr_schedule_exponential_is_a_staircase_a_epoch() -> None:
     """APD's code: tf.train.exponential_decay(lr, global_step, decay_steps=batches a epoch, 0.95, staircase=True)."""
     cfg = tiny_config("trainer.schedule=exponential", "trainer.lr_decay=0.5").trainer
     assert [lr_factor(s, 40, 0, cfg, per_epoch=4) for s in (0, 3, 4, 7, 8, 39)] == [1, 1, 0.5, 0.5, 0.25, 0.5**9]
+
+
+class CodaCosineSchedule:
+    """CODA-Prompt's utils/schedulers.py CosineSchedule (InfLoRA copies it), transcribed: its constructor steps to
+    epoch 0 and then sets last_epoch back to -1."""
+
+    def __init__(self, base: float, k: int) -> None:
+        self.base, self.k, self.last_epoch = base, k, -1
+        self.lr = self.cosine(0)
+
+    def cosine(self, epoch: int) -> float:
+        return self.base * math.cos((99 * math.pi * epoch) / (200 * (self.k - 1)))
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self.lr = self.cosine(self.last_epoch)
+
+
+@pytest.mark.parametrize("epochs", [2, 5, 20])
+def test_coda_cosine_is_codas_schedule_as_its_loop_and_inflora_s_step_it(epochs: int) -> None:
+    """CODA-Prompt's loop steps before every epoch but the first (learners/default.py L95), InfLoRA's after every
+    epoch (methods/inflora.py L238): both train epoch e at the lr the transcription holds then; clbench's factor holds
+    that lr for every step of the epoch."""
+    cfg = tiny_config("trainer.schedule=coda_cosine", "trainer.lr=1.0").trainer
+    coda, inflora = CodaCosineSchedule(1.0, epochs), CodaCosineSchedule(1.0, epochs)
+    per_epoch = 3
+    for epoch in range(epochs):
+        if epoch > 0:
+            coda.step()
+        mine = [lr_factor(epoch * per_epoch + i, epochs * per_epoch, 0, cfg, per_epoch) for i in range(per_epoch)]
+        assert mine == pytest.approx([coda.lr] * per_epoch) and coda.lr == pytest.approx(inflora.lr)
+        inflora.step()
+    assert coda.lr == pytest.approx(math.cos(99 * math.pi * (epochs - 2) / (200 * (epochs - 1))))
 
 
 def test_heatmap_renders_negative_forgetting() -> None:

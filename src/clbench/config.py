@@ -41,6 +41,7 @@ def require_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     require(value in choices, key, value, "one of " + ", ".join(choices))
 
 
+SCHEDULES = ("cosine", "constant", "exponential", "multistep", "plateau", "coda_cosine")  # trainer.schedule's names
 PROTOCOLS = ("clbench", "P", "D-clbench", "D-jax", "D-pytorch", "D-coda")  # data.protocol's names
 # data.transforms=pilot: PILOT's build_transform (utils/data.py), as these keys spell it; image files are stored at
 # 256 px, the test resize, so that the stored square's centre is Resize(256) + CenterCrop(224) of the image.
@@ -331,7 +332,9 @@ class TrainerConfig:
     optimizer: str = "adamw"  # adamw | adam | sgd | adamw_bert (BERT's: no bias correction, eps 1e-6)
     momentum: float = 0.9  # sgd only
     weight_decay: float = 0.0  # not on biases, norms and position/class tokens (unless a method's group sets its own)
-    schedule: str = "cosine"  # cosine | constant | exponential | multistep, per phase | plateau (HAT's, on validation)
+    # cosine | constant | exponential | multistep | coda_cosine, per phase | plateau (HAT's, on validation);
+    # coda_cosine: CODA-Prompt's CosineSchedule (InfLoRA's too), epoch e of K at cos(99 pi max(e - 1, 0) / (200 (K-1)))
+    schedule: str = "cosine"
     # exponential: the lr's factor after each epoch (staircase; APD's code: 0.95); multistep: at each milestone
     lr_decay: float = 0.95
     milestones: list[int] = field(
@@ -378,7 +381,7 @@ class TrainerConfig:
         require_choice("trainer.optimizer", self.optimizer, ("adamw", "adam", "sgd", "adamw_bert"))
         require(0 <= self.momentum < 1, "trainer.momentum", self.momentum, "a float in [0, 1)")
         require(self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, "a float >= 0")
-        require_choice("trainer.schedule", self.schedule, ("cosine", "constant", "exponential", "multistep", "plateau"))
+        require_choice("trainer.schedule", self.schedule, SCHEDULES)
         require(0 < self.lr_decay <= 1, "trainer.lr_decay", self.lr_decay, "a float in (0, 1]")
         milestones = list(self.milestones)
         require(

@@ -102,9 +102,11 @@ def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig, per_epoch:
     """Linear warm-up, then cosine decay to ``min_lr`` (every step, or once an epoch of ``per_epoch`` steps with
     ``schedule_steps=epoch``; over ``cosine_epochs`` where set, rising again after them), a staircase ``lr_decay``
     each epoch (exponential: APD's x0.95) or at each of ``milestones`` (multistep: torch's MultiStepLR stepped per
-    epoch, SLCA's), or constant; a factor on each group's lr."""
+    epoch, SLCA's), CODA-Prompt's quarter cosine (``coda_cosine``), or constant; a factor on each group's lr."""
     if step < warmup:
         return (step + 1) / warmup
+    if cfg.schedule == "coda_cosine":
+        return coda_cosine((step - warmup) // per_epoch, (total - warmup) // per_epoch)
     if cfg.schedule == "exponential":
         return cfg.lr_decay ** ((step - warmup) // per_epoch)
     if cfg.schedule == "multistep":
@@ -117,6 +119,15 @@ def lr_factor(step: int, total: int, warmup: int, cfg: TrainerConfig, per_epoch:
         done -= done % per_epoch
     floor = cfg.min_lr / cfg.lr
     return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * done / span))
+
+
+def coda_cosine(epoch: int, epochs: int) -> float:
+    """CODA-Prompt's ``CosineSchedule`` (utils/schedulers.py, InfLoRA's copy too): cos(99 pi e / (200 (K - 1))) of the
+    scheduler's epoch e, which its loops step after each epoch but the first (CODA: ``if epoch > 0``; InfLoRA: at the
+    end of each, from -1 at its construction), so epochs 0 and 1 both train at the full lr and the last at about 10%."""
+    if epochs < 2:
+        return 1.0
+    return math.cos(99 * math.pi * max(epoch - 1, 0) / (200 * (epochs - 1)))
 
 
 def rates_on_device(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
