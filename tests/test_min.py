@@ -292,6 +292,18 @@ def test_each_task_trains_its_own_generators_and_nothing_earlier(reading: str) -
                 assert torch.equal(snap[key], last[key]), key
 
 
+def first_noise_loss(method, rt, task) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The training loss on the task's first 8 images once its noise phase has begun, their features as ``features``
+    computes them, and their labels."""
+    x, y = rt.benchmark.train[task.id].batch(None, 0, 8)
+    x = rt.test_tf(x)
+    method.train()
+    loss, _ = method.training_loss(x, y, task)
+    with torch.no_grad():
+        h = method.features(x, None)
+    return loss, h, y
+
+
 def test_the_residual_loss_starts_at_the_analytic_heads_cross_entropy() -> None:
     """At the start of task 1's noise phase W_aux = 0: the loss is CE(h W, y) over the seen classes, the transcription's
     run() loss; a step moves W_aux and the generator, never the analytic head."""
@@ -307,12 +319,8 @@ def test_the_residual_loss_starts_at_the_analytic_heads_cross_entropy() -> None:
             break
         observe_pass(method, t1, rt.benchmark.train[1], rt, augment=phase.augment)
     assert method.aux is not None and not method.aux.weight.any()
-    x, y = rt.benchmark.train[1].batch(None, 0, 8)
-    x = rt.test_tf(x)
-    method.train()
-    loss, _ = method.training_loss(x, y, t1)
+    loss, h, y = first_noise_loss(method, rt, t1)
     with torch.no_grad():
-        h = method.features(x, None)
         analytic = method.seen_logits(h)
     torch.testing.assert_close(loss, F.cross_entropy(analytic, y))
     torch.testing.assert_close(loss, ref.residual_loss(analytic, method.aux, h, y))
@@ -328,12 +336,7 @@ def test_the_codes_first_task_trains_on_its_auxiliary_head_alone() -> None:
     noise = method.phases(t0, 2)[0]
     assert noise.name == "noise"
     method.before_phase(t0, noise)
-    x, y = rt.benchmark.train[0].batch(None, 0, 8)
-    x = rt.test_tf(x)
-    method.train()
-    loss, _ = method.training_loss(x, y, t0)
-    with torch.no_grad():
-        h = method.features(x, None)
+    loss, h, y = first_noise_loss(method, rt, t0)
     torch.testing.assert_close(loss, F.cross_entropy(method.aux(h), y))
 
 
