@@ -23,6 +23,9 @@ from conftest import compose_config
 # them (SHA-256 of the sorted paths joined by newlines, first 16 hex) and counts them, and (path, label) pairs read off
 # those files: the first two of each list.
 CODA_SHA256_16 = {"train": "e6e7dd781bc26b94", "test": "c58cb462cef0d2b6"}
+# ... and of every (path, label) pair of the yaml files: "<path> <target>" lines, sorted, newline-joined (computed from
+# the files at that commit)
+CODA_PAIRS_SHA256_16 = {"train": "011fd157c155cc1a", "test": "c1a5cb95288d56d9"}
 CODA_COUNTS = {"train": 24000, "test": 6000}
 CODA_PAIRS = {
     "train": [("n02128757/sculpture_4.jpg", 177), ("n02268443/misc_113.jpg", 142)],
@@ -39,6 +42,8 @@ def test_the_shipped_lists_are_coda_prompts_files() -> None:
         joined = "\n".join(sorted(f"data/imagenet-r/{p}" for p in paths))  # the yaml's own spelling
         assert hashlib.sha256(joined.encode()).hexdigest()[:16] == CODA_SHA256_16[half]
         labels = lists.labels(paths)
+        pairs = "\n".join(sorted(f"data/imagenet-r/{p} {y}" for p, y in zip(paths, labels.tolist(), strict=True)))
+        assert hashlib.sha256(pairs.encode()).hexdigest()[:16] == CODA_PAIRS_SHA256_16[half]
         for path, label in CODA_PAIRS[half]:
             assert labels[paths.index(path)] == label
     assert not set(lists.train) & set(lists.test)

@@ -113,7 +113,8 @@ class HiDeConfig:
     reg: float = 0.5  # weight of L_proto (IN-R 0.5, CIFAR-100 0.1)
     proto_temperature: float = 0.8  # the divisor of M M^T (engine L541)
     # L_proto over this many equal groups of the batch, each with every centroid, averaged: the code's is each GPU's
-    # loss on its 24 images, averaged by DDP over its 8 (the presets: 8); 1 takes the whole batch at once
+    # loss on its 24 images, averaged by DDP over its 8 (the presets: 8); 1 takes the whole batch at once. Under
+    # several processes each rank groups its share: one process's grouping where a share is a whole number of groups
     proto_groups: int = 1
     head_lr_scale: float = 0.1  # the head's lr as a share of the slot's (--larger_prompt_lr)
     head_init: str = "trunc_normal"  # timm's N(0, 0.02), bias 0 (the code's ViT init of its heads)
@@ -406,10 +407,9 @@ class HiDe(Method):
                 logits = self.tii_logits(x.float()) if self.stage == "tii_align" else self.seen_logits(x.float())
                 return (self.tii_aligner if self.stage == "tii_align" else self.tap_aligner).loss(logits, y, sizes), {}
         feats = self.prompted(x, torch.full((len(x),), task.id, device=x.device), training=task)
-        batch = (
-            self.batch_share[0] if self.batch_share else len(feats)
-        )  # a rank's groups are cut from the whole batch's
-        size = -(-batch // self.config.proto_groups)
+        # groups of the whole batch's size / proto_groups rows: a rank cuts its share into them, which is one process's
+        # grouping where the share is a whole number of groups (192 over 2, 4 or 8 ranks)
+        size = -(-(self.batch_share[0] if self.batch_share else len(feats)) // self.config.proto_groups)
         proto = grouped_proto_loss(feats, self.tap_aligner.means(task.id), self.config.proto_temperature, size)
         return ce(self.seen_logits(feats), y, task) + self.config.reg * proto, {"proto": proto.detach()}
 

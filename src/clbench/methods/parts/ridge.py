@@ -43,7 +43,8 @@ def relu_features(feats: torch.Tensor, projection: torch.Tensor) -> torch.Tensor
 
 def ridge_head(width: int, classes: int, device: torch.device) -> nn.Linear:
     """A task's rows of the head over ``width`` features: filled by the solve, never trained; zero until then (an
-    unsolved head adds nothing to the logits: MIN's first task trains on its auxiliary head alone), the bias always."""
+    unsolved head adds nothing to the logits: MIN's first task trains on its auxiliary head alone; the loop's
+    measurements before a task, FWT's b_j, see ties, so an unsolved task scores its first class), the bias always."""
     head = nn.Linear(width, classes, device=device).requires_grad_(False)
     nn.init.zeros_(head.weight)
     nn.init.zeros_(head.bias)
