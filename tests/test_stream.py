@@ -21,7 +21,7 @@ from clbench.data import build_benchmark
 from clbench.data import sources as sources_module
 from clbench.data.stream import DiskImages
 from clbench.distributed import Ranks
-from clbench.errors import DataError
+from clbench.errors import ConfigError, DataError
 from clbench.loop import step as step_module
 from clbench.loop import train
 from conftest import TINY, said, tiny_config, torchrun
@@ -211,6 +211,30 @@ def test_a_streamed_run_and_its_resume_match_the_device_store(tmp_path: Path, mo
     monkeypatch.undo()
     train(tiny_config(*overrides, *STREAM[:2], cache, "resume=true"), tmp_path / "cut")
     assert matrices(tmp_path / "cut" / "results.json") == expected
+
+
+@pytest.mark.parametrize("store", ["device", "stream"])
+def test_drop_last_trains_whole_batches_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, store: str) -> None:
+    """torch's DataLoader(drop_last=True), CODA-Prompt's loader: an epoch of N images in batches of B takes N // B
+    steps of B images, from the device store and from the streamed cache alike; a task smaller than a batch is
+    refused, naming the key."""
+    sizes = []
+    real = step_module.train_step
+
+    def counting(method, task, rt, x, y, **kwargs):
+        sizes.append((task.id, len(y)))
+        return real(method, task, rt, x, y, **kwargs)
+
+    monkeypatch.setattr(step_module, "train_step", counting)
+    stream = ("data.store=stream", "data.stream_workers=2", f"data.cache_dir={tmp_path / 'cache'}")
+    overrides = ("trainer.batch_size=16", "trainer.drop_last=true", "trainer.epochs=2", "data.num_tasks=2")
+    cfg = tiny_config(*overrides, *(stream if store == "stream" else ("data.store=device",)))
+    train(cfg, tmp_path / "run")
+    train_sizes = [len(split.y) for split in build_benchmark(cfg.data).train[:2]]
+    assert all(n % 16 for n in train_sizes)  # each task has a partial last batch to drop
+    assert sizes == [(t, 16) for t, n in enumerate(train_sizes) for _ in range(2 * (n // 16))]
+    with pytest.raises(ConfigError, match=r"`trainer\.drop_last`"):
+        train(tiny_config(*overrides, "trainer.batch_size=4096"), tmp_path / "refused")
 
 
 @pytest.mark.slow  # 30 s: two gloo processes; a streamed run and its resume stay in the default suite

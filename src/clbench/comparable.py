@@ -44,6 +44,7 @@ LATER_KEYS: dict[str, Any] = {
     "data.init_classes": None,
     "data.increment": None,
     "data.brightness": 0.0,
+    "trainer.drop_last": False,
     "backbone.input_mean": None,
     "backbone.input_std": None,
 }

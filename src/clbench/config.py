@@ -326,6 +326,7 @@ class TrainerConfig:
 
     epochs: int = 5  # epochs per task (0: no training)
     batch_size: int = 32  # training batch; under torchrun the global batch, shared by the ranks
+    drop_last: bool = False  # drop each training epoch's last partial batch (DataLoader(drop_last=True): CODA-Prompt)
     eval_batch_size: int = 256  # evaluation batch
     lr: float = 1e-3  # peak learning rate (a method's optimizer groups may carry their own)
     lr_scale_batch: int | None = None  # linear scaling rule: lr * batch_size / lr_scale_batch (null: off)

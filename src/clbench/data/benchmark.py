@@ -66,8 +66,9 @@ class Split:
         x = DiskImages.cat(xs) if isinstance(xs[0], DiskImages) else torch.cat(xs)  # type: ignore[arg-type]
         return Split(x, torch.cat([s.y for s in splits]))
 
-    def num_batches(self, batch_size: int) -> int:
-        return -(-len(self) // batch_size)
+    def num_batches(self, batch_size: int, *, drop_last: bool = False) -> int:
+        """Batches of ``batch_size`` an epoch: the last partial one counts unless ``drop_last``."""
+        return len(self) // batch_size if drop_last else -(-len(self) // batch_size)
 
     def permutation(self) -> torch.Tensor:
         """A fresh epoch order, drawn on the labels' device."""
@@ -93,16 +94,19 @@ class Split:
         order: torch.Tensor | None = None,
         start: int = 0,
         rows: Rows | None = None,
+        drop_last: bool = False,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """The batches ``start ..`` of one epoch in ``order`` (``shuffle``: a fresh permutation; neither: the stored
-        order). Images on disk are read ahead by background workers, only the ``rows`` of each batch this process
-        uses (the others are zero)."""
+        order), without its last partial batch with ``drop_last``. Images on disk are read ahead by background
+        workers, only the ``rows`` of each batch this process uses (the others are zero)."""
         order = self.permutation() if shuffle else order
+        batches = self.num_batches(batch_size, drop_last=drop_last)
         if not isinstance(self.x, DiskImages):
-            for index in range(start, self.num_batches(batch_size)):
+            for index in range(start, batches):
                 yield self.batch(order, index, batch_size)
             return
         positions = order.cpu().numpy() if order is not None else np.arange(len(self))
+        positions = positions[: batches * batch_size]
         for index, x in enumerate(self.x.batches(positions, batch_size, start, rows), start):
             yield x, self.y[self._positions(order, index, batch_size)]
 

@@ -27,7 +27,7 @@ from clbench.checkpoint import Cursor
 from clbench.config import TrainerConfig
 from clbench.data import Split, Task
 from clbench.distributed import Ranks
-from clbench.errors import Diverged, Preempted
+from clbench.errors import ConfigError, Diverged, Preempted
 from clbench.loop.divergence import FirstNonFinite
 from clbench.loop.optim import build_optimizer, current_lr, load_optimizer_state, lr_factor, rates_on_device
 from clbench.loop.runtime import Runtime
@@ -187,7 +187,13 @@ class PhaseRun:
             split = method.drawn_split(task, phase, self.drawn_for)
         assert split is not None  # a phase of images is handed its data
         self.split = split
-        self.per_epoch = self.split.num_batches(cfg.batch_size)
+        self.per_epoch = self.split.num_batches(cfg.batch_size, drop_last=cfg.drop_last)
+        if not self.per_epoch:
+            raise ConfigError(
+                f"Invalid value for `trainer.drop_last`: true. Allowed: false here: task {task.id}'s "
+                f"{phase.name} phase has {len(self.split)} training samples, fewer than trainer.batch_size="
+                f"{cfg.batch_size}, so dropping the last partial batch would train on nothing."
+            )
         self.optimizer = build_optimizer(method, task, phase, cfg, capturable=rt.accel.graphs)
         method.check_steps(task, phase, self.optimizer)
         if hooks.trains is not None:
@@ -267,7 +273,9 @@ class PhaseRun:
         first_batch, started = resume.batch if resume is not None else 0, time.time()
         epoch_loss = torch.zeros((), device=rt.device)
         images = taken = 0  # images trained on (drawn features count none) and steps taken in this epoch
-        batches = self.split.batches(cfg.batch_size, order=order, start=first_batch, rows=self.rows)
+        batches = self.split.batches(
+            cfg.batch_size, order=order, start=first_batch, rows=self.rows, drop_last=cfg.drop_last
+        )
         with closing(batches):  # a stop or an error mid-epoch shuts a streamed epoch's reader workers down at once
             for batch, (x_raw, y) in enumerate(batches, first_batch):
                 self.method.before_step(task, batch, self.per_epoch)
