@@ -22,7 +22,7 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
     """What must not change when a run is resumed: method, data, backbone, seed and the optimisation recipe."""
     keep = ("epochs", "batch_size", "lr", "lr_scale_batch", "optimizer", "momentum", "weight_decay", "schedule")
     keep += ("lr_decay", "milestones", "schedule_steps", "cosine_epochs")
-    keep += ("plateau_patience", "plateau_factor", "mixup", "cutmix", "label_smoothing")
+    keep += ("plateau_patience", "plateau_factor", "mixup", "cutmix", "label_smoothing", "drop_last")
     trainer = as_dict(cfg.trainer)
     return {
         "method": cfg.method_target,
