@@ -376,3 +376,8 @@ def test_a_checkpoint_written_before_the_protocol_keys_resumes_and_one_of_anothe
     other = {**saved, "data": {**saved["data"], "protocol": "P"}}
     with pytest.raises(ConfigError, match=r"data\.protocol: checkpoint 'P', now 'clbench'"):
         check_identity(cfg, tmp_path, {"identity": other})
+    for method, key in (("tuna", "decay_old_heads"), ("hide", "proto_groups")):  # a method's key added since
+        cfg = validate(compose_config(f"method={method}"))
+        saved = identity(cfg)
+        older = {**saved, "method_config": {k: v for k, v in saved["method_config"].items() if k != key}}
+        assert check_identity(cfg, tmp_path, {"identity": older}) == []

@@ -45,6 +45,8 @@ LATER_KEYS: dict[str, Any] = {
     "data.increment": None,
     "data.brightness": 0.0,
     "trainer.drop_last": False,
+    "method.decay_old_heads": False,  # TUNA
+    "method.proto_groups": 1,  # HiDe
     "backbone.input_mean": None,
     "backbone.input_std": None,
 }

@@ -3,6 +3,7 @@ checkpoint's state (:func:`replay` the lifecycle without training, then load eve
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,11 @@ def check_identity(cfg: RunConfig, run_dir: Path, state: dict[str, Any]) -> list
     """Refuse to resume ``run_dir`` with a checkpoint written for another run (naming every key that differs). Keys
     that cannot change the results (where the data lives and how it is read: :data:`clbench.comparable.NOT_A_SETTING`
     but the seed; ``data.val_seed`` without a validation split) may differ: returns them, ``key: before -> now``."""
-    saved, now = LATER_KEYS | flatten(state["identity"]), flatten(identity(cfg))  # an older checkpoint: old values
+    now = flatten(identity(cfg))
+    # an older checkpoint: the old values of the keys added since, where this run has them (a method's own keys;
+    # the identity holds method.<key> as method_config.<key>)
+    later = {re.sub(r"^method\.", "method_config.", k): v for k, v in LATER_KEYS.items()}
+    saved = {k: v for k, v in later.items() if k in now} | flatten(state["identity"])
     changed = sorted(k for k in saved.keys() | now.keys() if saved.get(k, "<unset>") != now.get(k, "<unset>"))
     no_validation = not saved.get("data.val_fraction") and not now.get("data.val_fraction")
     # The seed sets two runs of one setting apart, so it is not a setting; a resumed run must keep it all the same.
