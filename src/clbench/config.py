@@ -219,11 +219,10 @@ class DataConfig:
         if self.split_lists is not None:
             require(self.source == "image_folder", "data.source", self.source, "image_folder with data.split_lists")
             try:
-                found = lists_path(self.split_lists).is_file()
+                lists_path(self.split_lists)
             except DataError:
-                found = False
-            shipped = ", ".join(shipped_names())
-            require(found, "data.split_lists", self.split_lists, f"a split clbench ships ({shipped}) or a lists file")
+                allowed = f"a split clbench ships ({', '.join(shipped_names())}) or a lists file"
+                require(False, "data.split_lists", self.split_lists, allowed)
         if self.protocol == "D-coda":
             require(
                 self.split_lists == "coda_imagenet_r",

@@ -22,7 +22,7 @@ import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 import numpy as np
 import torch
@@ -483,26 +483,34 @@ def load_image_folder_source(folder_name: str, cfg: DataConfig) -> SourceData:
             "benchmark. Keep the two under different data.root folders."
         )
     if own:
-        files, split = own_split_files(folder, own)
+        split = own_split_files(folder, own)
     elif cfg.folder_split == "lists":
-        files, split = listed_split_files(folder, cfg)
+        split = listed_split_files(folder, cfg)
     else:
-        files, split = seeded_split_files(folder, cfg)
-    (train_files, train_y, test_files, test_y), classes = files
-    if not train_files or not test_files:
+        split = seeded_split_files(folder, cfg)
+    if not split.train_files or not split.test_files:
         raise DataError(f"{folder} holds no training or no test images (suffixes: jpg, jpeg, png, bmp, ...).")
     pilot = cfg.transforms == "pilot"  # the square PILOT's test path crops from
-    train_x = load_images(train_files, cfg.store_size, cfg.decode_workers, short_side=pilot)
-    test_x = load_images(test_files, cfg.store_size, cfg.decode_workers, short_side=pilot)
-    split = {"folder": folder_name, **split, "train_images": len(train_files), "test_images": len(test_files)}
-    return SourceData(train_x, torch.from_numpy(train_y), test_x, torch.from_numpy(test_y), classes, split)
+    train_x = load_images(split.train_files, cfg.store_size, cfg.decode_workers, short_side=pilot)
+    test_x = load_images(split.test_files, cfg.store_size, cfg.decode_workers, short_side=pilot)
+    counts = {"train_images": len(split.train_files), "test_images": len(split.test_files)}
+    record = {"folder": folder_name, **split.record, **counts}
+    train_y, test_y = torch.from_numpy(split.train_y), torch.from_numpy(split.test_y)
+    return SourceData(train_x, train_y, test_x, test_y, split.classes, record)
 
 
-# A split's (train files, train labels, test files, test labels) and class names, and what results.json records of it.
-SplitFiles = tuple[tuple[list[Path], np.ndarray, list[Path], np.ndarray], list[str]]
+class FolderSplit(NamedTuple):
+    """An image folder's split: its files and labels, its class names, and what results.json records of it."""
+
+    train_files: list[Path]
+    train_y: np.ndarray
+    test_files: list[Path]
+    test_y: np.ndarray
+    classes: list[str]
+    record: dict[str, Any]
 
 
-def own_split_files(folder: Path, own: tuple[Path, Path]) -> tuple[SplitFiles, dict[str, Any]]:
+def own_split_files(folder: Path, own: tuple[Path, Path]) -> FolderSplit:
     """A split archive's ``train/`` and ``test/`` folders, labelled by the sorted class folder names."""
     classes = same_classes(*own)
     train_files, train_y = list_images(own[0], classes)
@@ -513,21 +521,21 @@ def own_split_files(folder: Path, own: tuple[Path, Path]) -> tuple[SplitFiles, d
         "classes": len(classes),
         "files_sha256": split_digest(train_files + test_files, folder),
     }
-    return ((train_files, train_y, test_files, test_y), classes), record
+    return FolderSplit(train_files, train_y, test_files, test_y, classes, record)
 
 
-def listed_split_files(folder: Path, cfg: DataConfig) -> tuple[SplitFiles, dict[str, Any]]:
+def listed_split_files(folder: Path, cfg: DataConfig) -> FolderSplit:
     """The images ``data.split_lists`` names, labelled by the lists' own class order."""
     assert cfg.split_lists is not None  # checked by DataConfig
     lists = read_split_lists(cfg.split_lists)
     require_listed_files(folder, lists)
     train_files, test_files = [folder / p for p in lists.train], [folder / p for p in lists.test]
     record = {"split": f"lists {lists.name}", "lists_sha256": lists.sha256, "classes": len(lists.classes)}
-    files = (train_files, lists.labels(lists.train), test_files, lists.labels(lists.test))
-    return (files, lists.classes), record
+    train_y, test_y = lists.labels(lists.train), lists.labels(lists.test)
+    return FolderSplit(train_files, train_y, test_files, test_y, lists.classes, record)
 
 
-def seeded_split_files(folder: Path, cfg: DataConfig) -> tuple[SplitFiles, dict[str, Any]]:
+def seeded_split_files(folder: Path, cfg: DataConfig) -> FolderSplit:
     """``<class>/*`` split per class, ``test_fraction`` of each class's images drawn by ``split_seed``."""
     classes = list_classes(folder)
     files, labels = list_images(folder, classes)
@@ -539,7 +547,7 @@ def seeded_split_files(folder: Path, cfg: DataConfig) -> tuple[SplitFiles, dict[
         "test_fraction": cfg.test_fraction,
         "test_files_sha256": split_digest(test_files, folder),
     }
-    return ((train_files, labels[~test], test_files, labels[test]), classes), record
+    return FolderSplit(train_files, labels[~test], test_files, labels[test], classes, record)
 
 
 def same_classes(train: Path, test: Path) -> list[str]:

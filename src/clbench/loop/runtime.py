@@ -94,9 +94,9 @@ def graph_blocker(cfg: RunConfig, device: torch.device, ranks: Ranks) -> str | N
         return "the device is not CUDA"
     if ranks.size > 1:
         return "a multi-process (DDP) run"
-    method = get_class(cfg.method_target).graph_blocker(cfg.method)
-    if method is not None:
-        return method
+    why = get_class(cfg.method_target).graph_blocker(cfg.method)
+    if why is not None:
+        return why
     if not schedulers_fill_tensor_rates():
         return f"torch {torch.__version__}'s schedulers replace a tensor learning rate instead of filling it"
     return host_drawn_augmentation(cfg.trainer, cfg.data)

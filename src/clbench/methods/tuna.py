@@ -223,9 +223,12 @@ class TUNA(AdapterSetLearner):
         if self.stage == "align":
             sizes = [t.num_classes for t in self.tasks[: task.id + 1]]
             return self.aligner.loss(c.scale * self.seen_logits(x.float()), y, sizes), {}
-        first = 0 if c.decay_old_heads else task.id  # the code's cosines over every head, the task's sliced out
-        weights = torch.cat([head.weight for head in self.heads[first : task.id + 1]])
-        cosines = cosine_logits(vit_features(self.backbone, x), weights)[:, task.offset - self.tasks[first].offset :]
+        feats = vit_features(self.backbone, x)
+        if c.decay_old_heads:  # the code's cosines over every head, the task's sliced out: the rest get zero gradients
+            every = torch.cat([head.weight for head in self.heads[: task.id + 1]])
+            cosines = cosine_logits(feats, every)[:, task.offset :]
+        else:
+            cosines = cosine_logits(feats, self.heads[task.id].weight)
         loss = cosface(cosines, y - task.offset, c.scale, c.margin)
         if not (c.use_orth and task.id):
             return loss, {}
